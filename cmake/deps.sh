@@ -1,0 +1,29 @@
+#!/bin/sh
+# Installs what diffattn needs to build, test and benchmark, by Debian package
+# name. As root it runs apt-get; otherwise it prints the exact line and stops.
+set -eu
+packages="cmake g++ make libeigen3-dev catch2 libbenchmark-dev"
+
+if ! command -v dpkg-query >/dev/null 2>&1; then
+  echo "deps: not a Debian system; make sure these are installed: $packages" >&2
+  exit 0
+fi
+
+missing=""
+for p in $packages; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing="$missing $p"
+  fi
+done
+[ -z "$missing" ] && exit 0
+
+if [ "$(id -u)" -eq 0 ]; then
+  echo "deps: installing$missing"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $missing
+else
+  echo "deps: missing Debian packages; run:" >&2
+  echo "  sudo apt-get install -y$missing" >&2
+  exit 1
+fi

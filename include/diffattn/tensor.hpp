@@ -1,0 +1,254 @@
+// TensorView (non-owning, strided) and Tensor (owning, contiguous, aligned).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <type_traits>
+
+#include "config.hpp"
+#include "detail/format.hpp"
+#include "error.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+namespace detail {
+
+/// a * b, or false when it would overflow index_t (both non-negative).
+inline bool mul_ok(index_t a, index_t b, index_t& out) {
+  if (a != 0 && b > std::numeric_limits<index_t>::max() / a) return false;
+  out = a * b;
+  return true;
+}
+
+/// Number of elements of a shape; throws when an extent is negative or the
+/// product (or its size in bytes) does not fit in index_t.
+template <std::size_t R>
+index_t checked_size(const char* fn, const std::array<index_t, R>& shape, std::size_t elem_bytes) {
+  index_t n = 1;
+  for (std::size_t i = 0; i < R; ++i) {
+    if (shape[i] < 0) fail(fn, "negative extent ", shape[i], " in shape ", shape_str(shape));
+  }
+  for (std::size_t i = 0; i < R; ++i) {
+    if (!mul_ok(n, shape[i], n))
+      fail(fn, "the extents of shape ", shape_str(shape), " overflow index_t");
+  }
+  index_t bytes = 0;
+  if (!mul_ok(n, static_cast<index_t>(elem_bytes), bytes))
+    fail(fn, "shape ", shape_str(shape), " is too large to address in bytes");
+  return n;
+}
+
+template <std::size_t R>
+std::array<index_t, R> row_major_strides(const std::array<index_t, R>& shape) {
+  std::array<index_t, R> s{};
+  index_t acc = 1;
+  for (std::size_t i = R; i-- > 0;) {
+    s[i] = acc;
+    acc *= shape[i] > 0 ? shape[i] : 1;
+  }
+  return s;
+}
+
+}  // namespace detail
+
+/// Non-owning view of a rank-R tensor with arbitrary non-negative strides
+/// (counted in elements, mdspan's layout_stride). Cheap to copy; never owns.
+///
+/// Constructing a view checks that extents and strides are non-negative and that
+/// the largest offset fits in index_t; it throws diffattn::error otherwise.
+template <class T, std::size_t R>
+class TensorView {
+  static_assert(R >= 1, "TensorView needs rank >= 1");
+
+ public:
+  using element_type = T;
+  using value_type = std::remove_cv_t<T>;
+  using shape_type = std::array<index_t, R>;
+  static constexpr std::size_t rank_v = R;
+
+  /// An empty view: null data, all extents zero.
+  TensorView() noexcept : data_(nullptr), shape_{}, strides_{} {}
+
+  /// Row-major view over `shape`.
+  TensorView(T* data, const shape_type& shape)
+      : data_(data), shape_(shape), strides_(detail::row_major_strides(shape)) {
+    detail::checked_size("TensorView", shape_, sizeof(T));
+    check_data();
+  }
+
+  /// Strided view; strides in elements, each >= 0.
+  TensorView(T* data, const shape_type& shape, const shape_type& strides)
+      : data_(data), shape_(shape), strides_(strides) {
+    detail::checked_size("TensorView", shape_, sizeof(T));
+    index_t span = 0;
+    for (std::size_t i = 0; i < R; ++i) {
+      if (strides_[i] < 0)
+        detail::fail("TensorView", "negative stride ", strides_[i], " in strides ",
+                     detail::shape_str(strides_), " for shape ", detail::shape_str(shape_));
+      index_t term = 0;
+      if (shape_[i] > 0 && (!detail::mul_ok(shape_[i] - 1, strides_[i], term) ||
+                            span > std::numeric_limits<index_t>::max() - term))
+        detail::fail("TensorView", "strides ", detail::shape_str(strides_), " with shape ",
+                     detail::shape_str(shape_), " overflow index_t");
+      span += term;
+    }
+    check_data();
+  }
+
+  /// A view of T converts to a view of const T.
+  template <class U, class = std::enable_if_t<std::is_same<const U, T>::value &&
+                                              !std::is_same<U, T>::value>>
+  TensorView(const TensorView<U, R>& other) noexcept  // NOLINT: implicit on purpose
+      : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
+
+  T* data() const noexcept { return data_; }
+  const shape_type& shape() const noexcept { return shape_; }
+  index_t shape(std::size_t i) const noexcept { return shape_[i]; }
+  const shape_type& strides() const noexcept { return strides_; }
+  index_t stride(std::size_t i) const noexcept { return strides_[i]; }
+  /// mdspan spelling of shape(i).
+  index_t extent(std::size_t i) const noexcept { return shape_[i]; }
+  static constexpr std::size_t rank() noexcept { return R; }
+
+  /// Number of elements (product of the extents).
+  index_t size() const noexcept {
+    index_t n = 1;
+    for (index_t e : shape_) n *= e;
+    return n;
+  }
+  bool empty() const noexcept { return size() == 0; }
+
+  /// True when the strides are the row-major strides of the shape (extents
+  /// of 0 or 1 accept any stride).
+  bool is_contiguous() const noexcept {
+    index_t acc = 1;
+    for (std::size_t i = R; i-- > 0;) {
+      if (shape_[i] > 1 && strides_[i] != acc) return false;
+      acc *= shape_[i];
+    }
+    return true;
+  }
+
+  /// Element access; indices are not checked (use DIFFATTN_ASSERT builds to check).
+  template <class... I>
+  T& operator()(I... idx) const noexcept {
+    static_assert(sizeof...(I) == R, "TensorView::operator(): wrong number of indices");
+    const index_t ii[R] = {static_cast<index_t>(idx)...};
+    index_t off = 0;
+    for (std::size_t r = 0; r < R; ++r) {
+      DIFFATTN_ASSERT(ii[r] >= 0 && ii[r] < shape_[r]);
+      off += ii[r] * strides_[r];
+    }
+    return data_[off];
+  }
+
+  /// Lowest and one-past-highest address the view can touch (equal when empty).
+  const void* span_begin() const noexcept { return static_cast<const void*>(data_); }
+  const void* span_end() const noexcept {
+    if (empty()) return static_cast<const void*>(data_);
+    index_t last = 0;
+    for (std::size_t r = 0; r < R; ++r) last += (shape_[r] - 1) * strides_[r];
+    return static_cast<const void*>(data_ + last + 1);
+  }
+
+ private:
+  void check_data() const {
+    if (data_ == nullptr && size() != 0)
+      detail::fail("TensorView", "null data with non-empty shape ", detail::shape_str(shape_));
+  }
+
+  T* data_;
+  shape_type shape_;
+  shape_type strides_;
+};
+
+/// Owning, contiguous (row-major), 64-byte aligned, zero-initialised tensor.
+/// Copies are deep; moves are cheap.
+template <class T, std::size_t R>
+class Tensor {
+  static_assert(std::is_trivially_copyable<T>::value, "Tensor holds trivially copyable scalars");
+
+ public:
+  using shape_type = std::array<index_t, R>;
+  static constexpr std::size_t alignment = 64;
+
+  Tensor() noexcept : shape_{} {}
+
+  explicit Tensor(const shape_type& shape)
+      : shape_(shape), size_(detail::checked_size("Tensor", shape, sizeof(T))) {
+    if (size_ > 0) {
+      data_.reset(static_cast<T*>(::operator new(static_cast<std::size_t>(size_) * sizeof(T),
+                                                 std::align_val_t(alignment))));
+      std::memset(static_cast<void*>(data_.get()), 0, static_cast<std::size_t>(size_) * sizeof(T));
+    }
+  }
+
+  Tensor(const Tensor& o) : Tensor(o.shape_) {
+    if (size_ > 0)
+      std::memcpy(static_cast<void*>(data_.get()), o.data_.get(),
+                  static_cast<std::size_t>(size_) * sizeof(T));
+  }
+  Tensor& operator=(const Tensor& o) {
+    if (this != &o) {
+      Tensor tmp(o);
+      *this = std::move(tmp);
+    }
+    return *this;
+  }
+  Tensor(Tensor&& o) noexcept
+      : data_(std::move(o.data_)), shape_(o.shape_), size_(o.size_) {
+    o.shape_ = shape_type{};
+    o.size_ = 0;
+  }
+  Tensor& operator=(Tensor&& o) noexcept {
+    data_ = std::move(o.data_);
+    shape_ = o.shape_;
+    size_ = o.size_;
+    o.shape_ = shape_type{};
+    o.size_ = 0;
+    return *this;
+  }
+
+  T* data() noexcept { return data_.get(); }
+  const T* data() const noexcept { return data_.get(); }
+  const shape_type& shape() const noexcept { return shape_; }
+  index_t shape(std::size_t i) const noexcept { return shape_[i]; }
+  index_t extent(std::size_t i) const noexcept { return shape_[i]; }
+  index_t size() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+  static constexpr std::size_t rank() noexcept { return R; }
+
+  TensorView<T, R> view() noexcept { return make_view<T>(data_.get()); }
+  TensorView<const T, R> view() const noexcept { return make_view<const T>(data_.get()); }
+  operator TensorView<T, R>() noexcept { return view(); }                // NOLINT
+  operator TensorView<const T, R>() const noexcept { return view(); }    // NOLINT
+
+  template <class... I>
+  T& operator()(I... idx) noexcept { return view()(idx...); }
+  template <class... I>
+  const T& operator()(I... idx) const noexcept { return view()(idx...); }
+
+  /// Sets every element to `value`.
+  void fill(const T& value) noexcept { std::fill(data_.get(), data_.get() + size_, value); }
+
+ private:
+  struct AlignedDelete {
+    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t(alignment)); }
+  };
+
+  template <class U>
+  TensorView<U, R> make_view(U* p) const noexcept {
+    return TensorView<U, R>(p, shape_, detail::row_major_strides(shape_));
+  }
+
+  std::unique_ptr<T, AlignedDelete> data_;
+  shape_type shape_;
+  index_t size_ = 0;
+};
+
+DIFFATTN_END_NAMESPACE
