@@ -7,6 +7,7 @@
 #include "config.hpp"
 #include "detail/format.hpp"
 #include "detail/mask.hpp"
+#include "detail/traits.hpp"
 #include "matrix.hpp"
 #include "options.hpp"
 #include "softmax.hpp"
@@ -14,14 +15,6 @@
 DIFFATTN_BEGIN_NAMESPACE
 
 namespace detail {
-template <class T>
-struct identity {
-  using type = T;
-};
-/// Blocks template argument deduction: T then comes from the other arguments.
-template <class T>
-using nondeduced_t = typename identity<T>::type;
-
 template <class T>
 using MatrixRef = Eigen::Ref<const Matrix<T>>;
 

@@ -1,0 +1,74 @@
+// Reference implementations of the fused kernels: same signatures, the plain
+// materialised computation (N x M maps per head). The oracle of the tests and
+// the baseline of the benchmarks; O(N M) memory, single-threaded.
+#pragma once
+
+#include "config.hpp"
+#include "detail/reference_impl.hpp"
+#include "detail/traits.hpp"
+#include "detail/validate.hpp"
+#include "options.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace reference {
+
+/// Reference of diffattn::diff_attention_v1 (same shapes, same checks).
+template <class T>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options = {}) {
+  detail::reference_run(detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options));
+}
+template <class T>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
+                       detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
+  reference::diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
+}
+template <class T>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options = {}) {
+  detail::reference_run(detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options));
+}
+template <class T>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
+  reference::diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
+}
+
+/// Reference of diffattn::diff_attention_v2.
+template <class T>
+void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options = {}) {
+  detail::reference_run(detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options));
+}
+template <class T>
+void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
+  reference::diff_attention_v2<T>(q, k, v, lambda_logit, out, TensorView<T, 3>(), options);
+}
+
+/// Reference of diffattn::attention.
+template <class T>
+void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+               detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
+               detail::nondeduced_view<T, 3> lse, const AttentionOptions& options = {}) {
+  detail::reference_run(detail::validate_plain<T>(q, k, v, out, lse, options));
+}
+template <class T>
+void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+               detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
+               const AttentionOptions& options = {}) {
+  reference::attention<T>(q, k, v, out, TensorView<T, 3>(), options);
+}
+
+}  // namespace reference
+DIFFATTN_END_NAMESPACE
