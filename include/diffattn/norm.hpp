@@ -1,0 +1,82 @@
+// RMSNorm over the last dimension: the per-head normalisation of DIFF V1 ("subln").
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+
+#include "config.hpp"
+#include "detail/format.hpp"
+#include "detail/traits.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+/// Root-mean-square normalisation of every row along the last dimension:
+///
+///   x (..., D)  ->  out[..., j] = scale * x[..., j] / sqrt(mean_j(x^2) + eps) * weight[j]
+///
+/// - weight (D), or an empty view for no learnable weight (elementwise_affine=False);
+/// - scale folds a constant factor in: V1 multiplies by (1 - lambda_init) here;
+/// - inv_rms (optional, the shape of x without its last dimension) receives
+///   1 / sqrt(mean(x^2) + eps) of every row, which the backward pass needs.
+///
+/// The mean of squares is accumulated in double. x and out may be the same view
+/// (in place); any strides. T and R come from out. V1 applies it to each head of (B, N, H, 2d) with
+/// eps 1e-5. Throws diffattn::error for mismatched shapes or a non-finite or
+/// negative eps.
+template <class T, std::size_t R>
+void rms_norm(detail::nondeduced_view<const T, R> x, detail::nondeduced_view<const T, 1> weight,
+              TensorView<T, R> out, double eps = 1e-5, double scale = 1.0,
+              detail::nondeduced_view<T, R - 1> inv_rms = {}) {
+  constexpr const char* fn = "rms_norm";
+  static_assert(R >= 2, "rms_norm: x needs rank >= 2 (rows, features)");
+  const index_t dim = x.shape(R - 1);
+  if (out.shape() != x.shape())
+    detail::fail(fn, "out has shape ", detail::shape_str(out.shape()), ", expected ",
+                 detail::shape_str(x.shape()), " like x");
+  if (!weight.empty() && weight.shape(0) != dim)
+    detail::fail(fn, "weight has shape ", detail::shape_str(weight.shape()), ", expected (", dim,
+                 ") (the last extent of x ", detail::shape_str(x.shape()), ") or empty");
+  if (!std::isfinite(eps) || eps < 0) detail::fail(fn, "eps must be finite and >= 0, got ", eps);
+  if (!std::isfinite(scale)) detail::fail(fn, "scale must be finite, got ", scale);
+  std::array<index_t, R - 1> row_shape{};
+  for (std::size_t r = 0; r + 1 < R; ++r) row_shape[r] = x.shape(r);
+  const bool want_inv = inv_rms.data() != nullptr || !inv_rms.empty();
+  if (want_inv && inv_rms.shape() != row_shape)
+    detail::fail(fn, "inv_rms has shape ", detail::shape_str(inv_rms.shape()), ", expected ",
+                 detail::shape_str(row_shape), " (x ", detail::shape_str(x.shape()),
+                 " without its last dimension)");
+
+  index_t rows = 1;
+  for (index_t e : row_shape) rows *= e;
+  const index_t xs = x.stride(R - 1), os = out.stride(R - 1);
+  std::array<index_t, R - 1> idx{};
+  for (index_t r = 0; r < rows; ++r) {
+    // Row r in row-major order of row_shape.
+    index_t rem = r, xoff = 0, ooff = 0, ioff = 0;
+    for (std::size_t a = R - 1; a-- > 0;) {
+      idx[a] = rem % row_shape[a];
+      rem /= row_shape[a];
+      xoff += idx[a] * x.stride(a);
+      ooff += idx[a] * out.stride(a);
+      if (want_inv) ioff += idx[a] * inv_rms.stride(a);
+    }
+    const T* xr = x.data() + xoff;
+    T* orow = out.data() + ooff;
+    double ss = 0;
+    for (index_t j = 0; j < dim; ++j) {
+      const double v = static_cast<double>(xr[j * xs]);
+      ss += v * v;
+    }
+    const double inv = dim > 0 ? 1.0 / std::sqrt(ss / static_cast<double>(dim) + eps) : 0.0;
+    const T f = static_cast<T>(inv * scale);
+    if (weight.empty()) {
+      for (index_t j = 0; j < dim; ++j) orow[j * os] = xr[j * xs] * f;
+    } else {
+      for (index_t j = 0; j < dim; ++j) orow[j * os] = xr[j * xs] * f * weight(j);
+    }
+    if (want_inv) inv_rms.data()[ioff] = static_cast<T>(inv);
+  }
+}
+
+DIFFATTN_END_NAMESPACE
