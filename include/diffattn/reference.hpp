@@ -1,6 +1,7 @@
 // Reference implementations of the fused kernels: same signatures, the plain
-// materialised computation (N x M maps per head). The oracle of the tests and
-// the baseline of the benchmarks; O(N M) memory, single-threaded.
+// materialised computation (N x M maps per head, Eigen products). The oracle of
+// the tests and the baseline of the benchmarks; O(N M) memory per thread,
+// threaded over (batch, head) like the fused kernels.
 #pragma once
 
 #include "config.hpp"
@@ -19,7 +20,7 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options));
+  detail::reference_run(detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options), options);
 }
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -32,7 +33,7 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options));
+  detail::reference_run(detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options), options);
 }
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -47,7 +48,7 @@ void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options));
+  detail::reference_run(detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options), options);
 }
 template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -61,7 +62,7 @@ template <class T>
 void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
                detail::nondeduced_view<T, 3> lse, const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_plain<T>(q, k, v, out, lse, options));
+  detail::reference_run(detail::validate_plain<T>(q, k, v, out, lse, options), options);
 }
 template <class T>
 void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,

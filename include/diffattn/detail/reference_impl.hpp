@@ -2,11 +2,14 @@
 // and head, the full N x M maps with Eigen, softmax, W and W V.
 #pragma once
 
+#include <exception>
+
 #include "../config.hpp"
 #include "../diff_weights.hpp"
 #include "../lambda.hpp"
 #include "../matrix.hpp"
 #include "../softmax.hpp"
+#include "attention_kernel.hpp"
 #include "validate.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -21,10 +24,10 @@ Matrix<T> gather_head(const TensorView<const T, 4>& t, index_t b, index_t head) 
 }
 
 template <class T>
-void reference_run(const AttentionProblem<T>& p) {
+void reference_head(const AttentionProblem<T>& p, index_t b, index_t oh) {
   const index_t N = p.seqlen_q, M = p.seqlen_k;
-  for (index_t b = 0; b < p.batch; ++b) {
-    for (index_t oh = 0; oh < p.heads; ++oh) {
+  {
+    {
       const index_t g = oh / p.group;
       Matrix<T> w;  // (N, M)
       Vector<T> lse[2];
@@ -56,6 +59,33 @@ void reference_run(const AttentionProblem<T>& p) {
           for (index_t i = 0; i < N; ++i) p.lse(b, qhead[m], i) = lse[m](i);
     }
   }
+}
+
+/// Runs every (batch, head) of a validated problem, threaded over them as a
+/// user of Eigen would (each head's products then run single-threaded).
+template <class T>
+void reference_run(const AttentionProblem<T>& p, const AttentionOptions& options) {
+  const index_t tasks = p.batch * p.heads;
+  if (tasks == 0) return;
+  const int threads = resolve_threads(options.num_threads, tasks);
+#ifdef _OPENMP
+  if (threads > 1) {
+    std::exception_ptr failure;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (index_t t = 0; t < tasks; ++t) {
+      try {
+        reference_head(p, t / p.heads, t % p.heads);
+      } catch (...) {
+#pragma omp critical(diffattn_failure)
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+#endif
+  (void)threads;
+  for (index_t t = 0; t < tasks; ++t) reference_head(p, t / p.heads, t % p.heads);
 }
 
 }  // namespace detail

@@ -1,0 +1,151 @@
+// Fused kernels beside the materialised reference and plain attention, in one
+// binary so that ratios come from one run. Shapes are parameter-matched at
+// embedding width 1024:
+//   V1     8 DIFF heads, d = 64, values 128 wide
+//   V2     16 query heads, 8 kv heads, d = 64
+//   Plain  16 heads of 64
+// GFLOPS counts useful work on visible (query, key) pairs only, P of them:
+// V1 8 P d per DIFF head (both maps' scores, one product of W with 2d-wide
+// values); V2 and plain 4 P d per query head. The three layers then do the
+// same work and the same number of exp() calls.
+//
+// Arguments: {N, threads}. B = 1, causal.
+#include <benchmark/benchmark.h>
+
+#include <diffattn/diffattn.hpp>
+#include <diffattn/detail/random.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using diffattn::index_t;
+using diffattn::Tensor;
+
+constexpr index_t kHeadDim = 64;
+
+Tensor<float, 4> random4(std::array<index_t, 4> shape, std::uint64_t seed) {
+  Tensor<float, 4> t(shape);
+  diffattn::detail::Rng rng(seed);
+  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(rng.normal());
+  return t;
+}
+
+double visible_pairs(index_t n) { return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1); }
+
+void set_counters(benchmark::State& state, double flops, double bytes) {
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  state.counters["bytes"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
+}
+
+diffattn::AttentionOptions options(const benchmark::State& state, bool fused) {
+  diffattn::AttentionOptions o;
+  o.causal = true;
+  o.num_threads = static_cast<int>(state.range(1));
+  // The reference is what a user writes with Eigen: its products use Eigen's
+  // own threads when the heads are not spread over threads already.
+  if (!fused) Eigen::setNbThreads(o.num_threads);
+  return o;
+}
+
+template <bool Fused>
+void v1(benchmark::State& state) {
+  const index_t n = state.range(0), H = 8, d = kHeadDim;
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2), v = random4({1, n, H, 2 * d}, 3);
+  Tensor<float, 4> out({1, n, H, 2 * d});
+  const auto o = options(state, Fused);
+  for (auto _ : state) {
+    if (Fused) diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
+    else diffattn::reference::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(state, H * 8.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
+}
+
+template <bool Fused>
+void v2(benchmark::State& state) {
+  const index_t n = state.range(0), H = 8, Hkv = 8, d = kHeadDim;
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, Hkv, d}, 2), v = random4({1, n, Hkv, d}, 3);
+  Tensor<float, 3> logit({1, n, H});
+  Tensor<float, 4> out({1, n, H, d});
+  const auto o = options(state, Fused);
+  for (auto _ : state) {
+    if (Fused) diffattn::diff_attention_v2<float>(q, k, v, logit, out, o);
+    else diffattn::reference::diff_attention_v2<float>(q, k, v, logit, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(state, 2 * H * 4.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size() + logit.size()));
+}
+
+template <bool Fused>
+void plain(benchmark::State& state) {
+  const index_t n = state.range(0), H = 16, d = kHeadDim;
+  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2), v = random4({1, n, H, d}, 3);
+  Tensor<float, 4> out({1, n, H, d});
+  const auto o = options(state, Fused);
+  for (auto _ : state) {
+    if (Fused) diffattn::attention<float>(q, k, v, out, o);
+    else diffattn::reference::attention<float>(q, k, v, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(state, H * 4.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
+}
+
+void BM_Fused_V1(benchmark::State& s) { v1<true>(s); }
+void BM_Reference_V1(benchmark::State& s) { v1<false>(s); }
+void BM_Fused_V2(benchmark::State& s) { v2<true>(s); }
+void BM_Reference_V2(benchmark::State& s) { v2<false>(s); }
+void BM_Fused_Plain(benchmark::State& s) { plain<true>(s); }
+void BM_Reference_Plain(benchmark::State& s) { plain<false>(s); }
+
+/// What the FMA units can do: 12 independent packet FMA chains per thread.
+void BM_FmaPeak(benchmark::State& state) {
+  using Packet = diffattn::detail::TileConfig<float>::Packet;
+  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
+  const int threads = static_cast<int>(state.range(0));
+  const long iters = 20'000'000;
+  for (auto _ : state) {
+    float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+#endif
+    {
+      using namespace Eigen::internal;
+      const Packet a = pset1<Packet>(1.0000001f), b = pset1<Packet>(1e-7f);
+      Packet c[12];
+      for (auto& x : c) x = pset1<Packet>(0.5f);
+      for (long i = 0; i < iters; ++i)
+        for (auto& x : c) x = pmadd(x, a, b);
+      Packet s = c[0];
+      for (int j = 1; j < 12; ++j) s = padd(s, c[j]);
+      sink += predux(s);
+    }
+    benchmark::DoNotOptimize(sink);
+  }
+  set_counters(state, 2.0 * P * 12.0 * static_cast<double>(iters) * threads, 0);
+}
+
+void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
+  for (long threads : {1, 2})
+    for (long n : ns) b->Args({n, threads});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+}  // namespace
+
+BENCHMARK(BM_FmaPeak)->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(BM_Fused_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
+BENCHMARK(BM_Fused_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
+BENCHMARK(BM_Fused_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
+BENCHMARK(BM_Reference_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
+BENCHMARK(BM_Reference_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
+BENCHMARK(BM_Reference_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
+
+BENCHMARK_MAIN();
