@@ -1,6 +1,5 @@
-#include <cmath>
-
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <diffattn/detail/random.hpp>
 #include <diffattn/norm.hpp>
 

@@ -1,9 +1,8 @@
-#include <cmath>
-#include <vector>
-
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <diffattn/detail/random.hpp>
 #include <diffattn/rope.hpp>
+#include <vector>
 
 #include "support.hpp"
 
@@ -109,8 +108,7 @@ TEST_CASE("strided views rotate like contiguous ones", "[rope]") {
   const index_t B = 2, N = 5, H = 3, D = 6;
   const Tensor<double, 4> bhnd = random_tensor<double>({B, H, N, D}, 9);
   Tensor<double, 4> strided = bhnd;
-  diffattn::TensorView<double, 4> v(strided.data(), {B, N, H, D},
-                                    {H * N * D, D, N * D, 1});
+  diffattn::TensorView<double, 4> v(strided.data(), {B, N, H, D}, {H * N * D, D, N * D, 1});
   diffattn::apply_rope<double>(v, 2);
   Tensor<double, 4> contiguous({B, N, H, D});
   for (index_t b = 0; b < B; ++b)

@@ -1,11 +1,10 @@
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstdio>
+#include <diffattn/io/safetensors.hpp>
 #include <fstream>
 #include <string>
 #include <vector>
-
-#include <catch2/catch.hpp>
-#include <diffattn/io/safetensors.hpp>
 
 #include "support.hpp"
 
@@ -88,8 +87,14 @@ TEST_CASE("F16 and BF16 are decoded exactly", "[safetensors]") {
   // F16: 1, -2.5, 65504 (max), 2^-24 (smallest subnormal), 1023 * 2^-24 (largest
   // subnormal), 2^-14 (smallest normal), -0, +inf.
   const std::uint16_t f16[] = {0x3C00, 0xC100, 0x7BFF, 0x0001, 0x03FF, 0x0400, 0x8000, 0x7C00};
-  const double f16_val[] = {1.0, -2.5, 65504.0, std::ldexp(1.0, -24), 1023 * std::ldexp(1.0, -24),
-                            std::ldexp(1.0, -14), -0.0, INFINITY};
+  const double f16_val[] = {1.0,
+                            -2.5,
+                            65504.0,
+                            std::ldexp(1.0, -24),
+                            1023 * std::ldexp(1.0, -24),
+                            std::ldexp(1.0, -14),
+                            -0.0,
+                            INFINITY};
   // BF16: 1, -2, 3.140625 (0x4049), 1e38-ish (0x7E96), smallest normal 2^-126.
   const std::uint16_t bf16[] = {0x3F80, 0xC000, 0x4049, 0x0080};
   const double bf16_val[] = {1.0, -2.0, 3.140625, std::ldexp(1.0, -126)};
@@ -97,8 +102,9 @@ TEST_CASE("F16 and BF16 are decoded exactly", "[safetensors]") {
   for (std::uint16_t h : f16) half_bytes += le16(h);
   for (std::uint16_t h : bf16) bf_bytes += le16(h);
   data = half_bytes + bf_bytes;
-  const std::string header = "{\"h\":{\"dtype\":\"F16\",\"shape\":[2,4],\"data_offsets\":[0,16]},"
-                             "\"bf\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[16,24]}}";
+  const std::string header =
+      "{\"h\":{\"dtype\":\"F16\",\"shape\":[2,4],\"data_offsets\":[0,16]},"
+      "\"bf\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[16,24]}}";
   write_raw(path, header, data);
   const st::Reader r(path);
   const std::vector<double> h = r.read_as<double>("h");
@@ -122,8 +128,10 @@ TEST_CASE("every F16 value decodes like a float conversion of its bits", "[safet
     const int sign = hbits >> 15, exp = (hbits >> 10) & 0x1F, mant = hbits & 0x3FF;
     const float got = diffattn::detail::safetensors_f16_to_f32(hbits);
     if (exp == 31) {
-      if (mant == 0) CHECK(std::isinf(got));
-      else CHECK(std::isnan(got));
+      if (mant == 0)
+        CHECK(std::isinf(got));
+      else
+        CHECK(std::isnan(got));
       continue;
     }
     const double mag = exp == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, exp - 25);
@@ -139,7 +147,8 @@ TEST_CASE("the JSON header: escapes, unicode, whitespace, extra fields", "[safet
   const std::string path = temp_path("json");
   const std::string header =
       " { \"__metadata__\" : { \"k\\u00e9y\" : \"a\\\"b\\\\c\\/d\\n\\t\\ud83d\\ude00\" } ,\n"
-      "\"x\\u0041\":{\"data_offsets\":[0,4],\"shape\":[1],\"dtype\":\"I32\",\"extra\":[[],{}]}}\r\n";
+      "\"x\\u0041\":{\"data_offsets\":[0,4],\"shape\":[1],\"dtype\":\"I32\",\"extra\":[[],{}]}}"
+      "\r\n";
   write_raw(path, header, std::string(4, '\0'));
   const st::Reader r(path);
   CHECK(r.metadata().at("k\xc3\xa9y") == "a\"b\\c/d\n\t\xf0\x9f\x98\x80");
@@ -158,7 +167,8 @@ TEST_CASE("corrupt files throw diffattn::error and never read out of bounds", "[
                       {"read_safetensors", "/nonexistent/dir/x.safetensors", "cannot open"});
 
   write_file(path, "abc");
-  test::require_error([&] { st::Reader r(path); }, {"read_safetensors", path.c_str(), "truncated", "3 bytes"});
+  test::require_error([&] { st::Reader r(path); },
+                      {"read_safetensors", path.c_str(), "truncated", "3 bytes"});
 
   write_file(path, "");
   test::require_error([&] { st::Reader r(path); }, {"truncated", "0 bytes"});
@@ -170,7 +180,8 @@ TEST_CASE("corrupt files throw diffattn::error and never read out of bounds", "[
     bytes[1] = '\x42';
     bytes[7] = '\x7f';  // absurd length: must not be allocated
     write_file(path, bytes + "{}");
-    test::require_error([&] { st::Reader r(path); }, {"header length", "beyond the end of the file"});
+    test::require_error([&] { st::Reader r(path); },
+                        {"header length", "beyond the end of the file"});
   }
   // the good file, then cut inside the header and inside the data
   write_raw(path, "{" + good_entry + "}", data);
@@ -179,7 +190,8 @@ TEST_CASE("corrupt files throw diffattn::error and never read out of bounds", "[
   write_file(path, whole.substr(0, 20));
   test::require_error([&] { st::Reader r(path); }, {"header length", "beyond the end"});
   write_file(path, whole.substr(0, whole.size() - 3));
-  test::require_error([&] { st::Reader r(path); }, {"'t'", "data_offsets [0, 8]", "out of range", "5 bytes"});
+  test::require_error([&] { st::Reader r(path); },
+                      {"'t'", "data_offsets [0, 8]", "out of range", "5 bytes"});
 
   struct Bad {
     std::string header;
@@ -191,12 +203,15 @@ TEST_CASE("corrupt files throw diffattn::error and never read out of bounds", "[
       {"{\"t\":1}", {"'t'", "not a JSON object"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2]}}", {"'t'", "no \"data_offsets\""}},
       {"{\"t\":{\"shape\":[2],\"data_offsets\":[0,8]}}", {"'t'", "no \"dtype\""}},
-      {"{\"t\":{\"dtype\":\"F17\",\"shape\":[2],\"data_offsets\":[0,8]}}", {"'t'", "unknown dtype 'F17'"}},
+      {"{\"t\":{\"dtype\":\"F17\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+       {"'t'", "unknown dtype 'F17'"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", {"'t'", "negative"}},
-      {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]}}", {"malformed", "only integers"}},
+      {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2.5],\"data_offsets\":[0,8]}}",
+       {"malformed", "only integers"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}",
        {"'t'", "8 bytes for shape (3)", "does not match", "expected 12"}},
-      {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", {"'t'", "[4, 12]", "out of range"}},
+      {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+       {"'t'", "[4, 12]", "out of range"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", {"'t'", "begin <= end"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", {"'t'", "two integers"}},
       {"{\"t\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,99999999999999999999]}}",
@@ -236,13 +251,27 @@ TEST_CASE("corrupt files throw diffattn::error and never read out of bounds", "[
 TEST_CASE("the writer refuses inconsistent tensors", "[safetensors]") {
   const std::string path = temp_path("writer");
   st::TensorData t{"F32", {3}, std::vector<unsigned char>(8)};
-  test::require_error([&] { diffattn::write_safetensors(path, {{"t", t}}); },
-                      {"write_safetensors", "'t'", "8 bytes", "(3)"});
+  test::require_error(
+      [&] {
+        diffattn::write_safetensors(path, {{"t", t}});
+      },
+      {"write_safetensors", "'t'", "8 bytes", "(3)"});
   t.dtype = "Q4";
-  test::require_error([&] { diffattn::write_safetensors(path, {{"t", t}}); }, {"unknown dtype 'Q4'"});
+  test::require_error(
+      [&] {
+        diffattn::write_safetensors(path, {{"t", t}});
+      },
+      {"unknown dtype 'Q4'"});
   st::TensorData ok{"U8", {2}, {1, 2}};
-  test::require_error([&] { diffattn::write_safetensors(path, {{"__metadata__", ok}}); }, {"reserved"});
-  test::require_error([&] { diffattn::write_safetensors("/nonexistent/dir/y.safetensors", {{"t", ok}}); },
-                      {"cannot open", "/nonexistent/dir/y.safetensors"});
+  test::require_error(
+      [&] {
+        diffattn::write_safetensors(path, {{"__metadata__", ok}});
+      },
+      {"reserved"});
+  test::require_error(
+      [&] {
+        diffattn::write_safetensors("/nonexistent/dir/y.safetensors", {{"t", ok}});
+      },
+      {"cannot open", "/nonexistent/dir/y.safetensors"});
   std::remove(path.c_str());
 }

@@ -27,10 +27,14 @@ struct SafetensorsJson {
 
   static const char* kind_name(Kind k) {
     switch (k) {
-      case Kind::object: return "object";
-      case Kind::array: return "array";
-      case Kind::string: return "string";
-      default: return "integer";
+      case Kind::object:
+        return "object";
+      case Kind::array:
+        return "array";
+      case Kind::string:
+        return "string";
+      default:
+        return "integer";
     }
   }
 };
@@ -160,10 +164,14 @@ class SafetensorsJsonParser {
       if (p_ == end_) error("unexpected end in \\u escape");
       const char h = *p_++;
       cp <<= 4;
-      if (h >= '0' && h <= '9') cp |= static_cast<unsigned>(h - '0');
-      else if (h >= 'a' && h <= 'f') cp |= static_cast<unsigned>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') cp |= static_cast<unsigned>(h - 'A' + 10);
-      else error("bad hex digit in \\u escape");
+      if (h >= '0' && h <= '9')
+        cp |= static_cast<unsigned>(h - '0');
+      else if (h >= 'a' && h <= 'f')
+        cp |= static_cast<unsigned>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F')
+        cp |= static_cast<unsigned>(h - 'A' + 10);
+      else
+        error("bad hex digit in \\u escape");
     }
     return cp;
   }
@@ -201,14 +209,30 @@ class SafetensorsJsonParser {
       if (p_ == end_) error("unterminated escape");
       const char e = *p_++;
       switch (e) {
-        case '"': s += '"'; break;
-        case '\\': s += '\\'; break;
-        case '/': s += '/'; break;
-        case 'b': s += '\b'; break;
-        case 'f': s += '\f'; break;
-        case 'n': s += '\n'; break;
-        case 'r': s += '\r'; break;
-        case 't': s += '\t'; break;
+        case '"':
+          s += '"';
+          break;
+        case '\\':
+          s += '\\';
+          break;
+        case '/':
+          s += '/';
+          break;
+        case 'b':
+          s += '\b';
+          break;
+        case 'f':
+          s += '\f';
+          break;
+        case 'n':
+          s += '\n';
+          break;
+        case 'r':
+          s += '\r';
+          break;
+        case 't':
+          s += '\t';
+          break;
         case 'u': {
           unsigned cp = hex4();
           if (cp >= 0xD800 && cp <= 0xDBFF) {  // high surrogate: a low one must follow
@@ -223,7 +247,8 @@ class SafetensorsJsonParser {
           put_utf8(s, cp);
           break;
         }
-        default: error("bad escape");
+        default:
+          error("bad escape");
       }
     }
   }
@@ -240,8 +265,10 @@ inline void safetensors_json_quote(std::string& out, const std::string& s) {
   out += '"';
   for (const char c : s) {
     const unsigned char u = static_cast<unsigned char>(c);
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
+    if (c == '"')
+      out += "\\\"";
+    else if (c == '\\')
+      out += "\\\\";
     else if (u < 0x20) {
       out += "\\u00";
       out += hex[u >> 4];

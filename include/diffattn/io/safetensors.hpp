@@ -34,9 +34,9 @@ namespace safetensors {
 /// 0 for a name the format does not define.
 inline index_t dtype_size(const std::string& dtype) {
   static const std::map<std::string, index_t> sizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"U16", 2},
-      {"I16", 2},  {"F16", 2}, {"BF16", 2}, {"U32", 4},    {"I32", 4},     {"F32", 4},
-      {"U64", 8},  {"I64", 8}, {"F64", 8}};
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1},
+      {"U16", 2},  {"I16", 2}, {"F16", 2}, {"BF16", 2},    {"U32", 4},
+      {"I32", 4},  {"F32", 4}, {"U64", 8}, {"I64", 8},     {"F64", 8}};
   const auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -251,7 +251,7 @@ class Reader {
   }
 
   const detail::SafetensorsJson& member(const std::string& name, const detail::SafetensorsJson& v,
-                                         const char* key) const {
+                                        const char* key) const {
     for (std::size_t i = 0; i < v.keys.size(); ++i)
       if (v.keys[i] == key) return v.values[i];
     fail("tensor '", name, "' has no \"", key, "\" field");
@@ -285,8 +285,9 @@ class Reader {
     t.begin = static_cast<std::uint64_t>(b);
     t.end = static_cast<std::uint64_t>(e);
     if (t.end > data_size_)
-      fail("tensor '", name, "' has data_offsets [", b, ", ", e, "] out of range: the data section has ",
-           data_size_, " bytes (the file is truncated or corrupt)");
+      fail("tensor '", name, "' has data_offsets [", b, ", ", e,
+           "] out of range: the data section has ", data_size_,
+           " bytes (the file is truncated or corrupt)");
     index_t bytes = 0;
     if (!detail::safetensors_byte_size(t.shape, elem, bytes))
       fail("tensor '", name, "' has shape ", shape_str(t.shape), " too large to address");
@@ -343,7 +344,8 @@ inline void write_safetensors(const std::string& path,
   std::uint64_t offset = 0;
   for (const auto& kv : tensors) {
     const safetensors::TensorData& t = kv.second;
-    if (kv.first == "__metadata__") detail::fail(fn, "'__metadata__' is reserved, not a tensor name");
+    if (kv.first == "__metadata__")
+      detail::fail(fn, "'__metadata__' is reserved, not a tensor name");
     const index_t elem = safetensors::dtype_size(t.dtype);
     if (elem == 0) detail::fail(fn, "tensor '", kv.first, "' has unknown dtype '", t.dtype, "'");
     index_t bytes = 0;
