@@ -1,0 +1,190 @@
+// Pieces shared by the layer classes: projections, initialisation, parameter
+// lists, and loading / saving them through safetensors.
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "../config.hpp"
+#include "../io/safetensors.hpp"
+#include "../tensor.hpp"
+#include "format.hpp"
+#include "random.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// y (rows, out) = x (rows, in) w^T, w (out, in) row-major as nn.Linear.weight.
+template <class T>
+void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y) {
+  using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<const M> xm(x, rows, in);
+  Eigen::Map<const M> wm(w, out, in);
+  Eigen::Map<M> ym(y, rows, out);
+  ym.noalias() = xm * wm.transpose();
+}
+
+/// A contiguous copy of x (B, N, E), any strides.
+template <class T>
+Tensor<T, 3> module_contiguous_copy(TensorView<const T, 3> x) {
+  Tensor<T, 3> c(x.shape());
+  T* dst = c.data();
+  for (index_t i = 0; i < x.shape(0); ++i)
+    for (index_t j = 0; j < x.shape(1); ++j) {
+      const T* src = x.data() + i * x.stride(0) + j * x.stride(1);
+      for (index_t k = 0; k < x.shape(2); ++k) *dst++ = src[k * x.stride(2)];
+    }
+  return c;
+}
+
+/// nn.Linear's default initialisation, kaiming_uniform_(a = sqrt(5)): the bound
+/// gain * sqrt(3 / fan_in) with gain sqrt(2 / (1 + 5)) is 1 / sqrt(fan_in).
+template <class T>
+void module_init_linear(Rng& rng, T* w, index_t out, index_t in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  for (index_t i = 0; i < out * in; ++i) w[i] = static_cast<T>(rng.uniform(-bound, bound));
+}
+
+template <class T>
+void module_init_normal(Rng& rng, T* v, index_t n, double stddev) {
+  for (index_t i = 0; i < n; ++i) v[i] = static_cast<T>(stddev * rng.normal());
+}
+
+/// A parameter of a layer: its state_dict name, PyTorch shape and storage.
+template <class T>
+struct ModuleParam {
+  std::string name;
+  std::vector<index_t> shape;
+  T* data;
+  index_t numel() const {
+    index_t n = 1;
+    for (index_t e : shape) n *= e;
+    return n;
+  }
+};
+
+/// Total element count of a set of shapes.
+inline index_t module_count(const std::map<std::string, std::vector<index_t>>& shapes) {
+  index_t total = 0;
+  for (const auto& kv : shapes) {
+    index_t n = 1;
+    for (const index_t e : kv.second) n *= e;
+    total += n;
+  }
+  return total;
+}
+
+/// How one parameter is found in a file: the tensor name (without prefix) and
+/// an optional row permutation applied after conversion (row r of the parameter
+/// is row row_perm[r] of the file's tensor).
+struct ModuleSource {
+  std::string file_name;
+  bool required = true;           // false: absent means "set to fill_value"
+  double fill_value = 1;          // for a parameter the file's convention lacks
+  std::vector<index_t> row_perm;  // empty: identity
+};
+
+/// Loads every parameter from `path` or changes nothing: every tensor is looked
+/// up, its shape and dtype checked and its data read and converted before any
+/// parameter is written. `sources` maps each parameter name to where it is found.
+template <class T>
+void module_load(const char* fn, const std::string& path, const std::string& prefix,
+                 const std::vector<ModuleParam<T>>& params,
+                 const std::map<std::string, ModuleSource>& sources) {
+  const safetensors::Reader reader(path, fn);
+  std::string missing, mismatched;
+  for (const ModuleParam<T>& p : params) {
+    const ModuleSource& src = sources.at(p.name);
+    const std::string name = prefix + src.file_name;
+    if (!reader.contains(name)) {
+      if (src.required)
+        missing +=
+            cat(missing.empty() ? "" : ", ", "'", name, "' ", safetensors::shape_str(p.shape));
+      continue;
+    }
+    const safetensors::TensorInfo& info = reader.info(name);
+    if (info.shape != p.shape)
+      mismatched +=
+          cat(mismatched.empty() ? "" : "; ", "tensor '", name, "' has shape ",
+              safetensors::shape_str(info.shape), ", expected ", safetensors::shape_str(p.shape));
+    else if (!safetensors::is_float_dtype(info.dtype))
+      mismatched += cat(mismatched.empty() ? "" : "; ", "tensor '", name, "' has dtype ",
+                        info.dtype, ", expected F16, BF16, F32 or F64");
+  }
+  if (!missing.empty())
+    fail(fn, "'", path, "': missing tensor", missing.find(", ") == std::string::npos ? " " : "s ",
+         missing, " (prefix '", prefix, "'); no parameter was changed");
+  if (!mismatched.empty()) fail(fn, "'", path, "': ", mismatched, "; no parameter was changed");
+
+  std::vector<std::vector<T>> staged;
+  staged.reserve(params.size());
+  for (const ModuleParam<T>& p : params) {
+    const ModuleSource& src = sources.at(p.name);
+    const std::string name = prefix + src.file_name;
+    if (!reader.contains(name)) {
+      staged.emplace_back(static_cast<std::size_t>(p.numel()), static_cast<T>(src.fill_value));
+      continue;
+    }
+    std::vector<T> v = reader.read_as<T>(name);
+    if (!src.row_perm.empty()) {
+      const std::size_t rows = src.row_perm.size(), width = v.size() / rows;
+      std::vector<T> permuted(v.size());
+      for (std::size_t r = 0; r < rows; ++r)
+        std::copy_n(v.begin() + static_cast<std::ptrdiff_t>(
+                                    static_cast<std::size_t>(src.row_perm[r]) * width),
+                    width, permuted.begin() + static_cast<std::ptrdiff_t>(r * width));
+      v.swap(permuted);
+    }
+    staged.push_back(std::move(v));
+  }
+  for (std::size_t i = 0; i < params.size(); ++i)
+    std::copy(staged[i].begin(), staged[i].end(), params[i].data);
+}
+
+/// Writes every parameter as prefix + name in T's dtype, with metadata format=pt.
+template <class T>
+void module_save(const std::string& path, const std::string& prefix,
+                 const std::vector<ModuleParam<T>>& params) {
+  std::map<std::string, safetensors::TensorData> tensors;
+  for (const ModuleParam<T>& p : params)
+    tensors[prefix + p.name] = safetensors::make_tensor<T>(p.shape, p.data);
+  write_safetensors(path, tensors, {{"format", "pt"}});
+}
+
+/// Row permutation of a (heads * width, in) weight into the V1 pair order, from
+/// the DiffLlama order. DiffLlama keeps the two maps of a pair in the first and
+/// second half of its heads (head j and j + heads/2) and rotates each head with
+/// rotate-half (feature i with i + width/2); V1 keeps them as heads 2j, 2j + 1
+/// and rotates interleaved pairs (2i, 2i + 1). Native row (2j + m, 2i + r) takes
+/// DiffLlama row (j + m * heads/2, i + r * width/2).
+inline std::vector<index_t> module_diffllama_qk_perm(index_t heads, index_t width) {
+  const index_t half_heads = heads / 2, half = width / 2;
+  std::vector<index_t> perm(static_cast<std::size_t>(heads * width));
+  for (index_t j = 0; j < half_heads; ++j)
+    for (index_t m = 0; m < 2; ++m)
+      for (index_t i = 0; i < half; ++i)
+        for (index_t r = 0; r < 2; ++r) {
+          perm[(2 * j + m) * width + 2 * i + r] = (j + m * half_heads) * width + i + r * half;
+        }
+  return perm;
+}
+
+/// Row permutation of v_proj (kv_heads * 2 * width, in) from DiffLlama's order:
+/// the value of kv pair g is the concatenation of its heads g and g + kv_heads.
+inline std::vector<index_t> module_diffllama_v_perm(index_t kv_heads, index_t width) {
+  std::vector<index_t> perm(static_cast<std::size_t>(2 * kv_heads * width));
+  for (index_t g = 0; g < kv_heads; ++g)
+    for (index_t m = 0; m < 2; ++m)
+      for (index_t t = 0; t < width; ++t) {
+        perm[g * 2 * width + m * width + t] = (g + m * kv_heads) * width + t;
+      }
+  return perm;
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE

@@ -1,0 +1,501 @@
+// Whole differential attention layers with reference-compatible parameters:
+// MultiheadDiffAttnV1 (split heads, Ye et al.) and MultiheadDiffAttnV2 (doubled query heads).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention.hpp"
+#include "config.hpp"
+#include "detail/format.hpp"
+#include "detail/module_common.hpp"
+#include "detail/random.hpp"
+#include "lambda.hpp"
+#include "norm.hpp"
+#include "options.hpp"
+#include "rope.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+/// Configuration of MultiheadDiffAttnV1.
+///
+/// With embedding width E and H DIFF heads each query/key half is d = E / (2H)
+/// wide and each value 2d: q_proj E -> E, k_proj and v_proj E -> E / (H / Hkv),
+/// out_proj E -> E. Same parameter count as a baseline layer with 2H heads.
+struct DiffAttnV1Config {
+  index_t embed_dim = 0;     ///< E, divisible by 2 * num_heads
+  index_t num_heads = 0;     ///< H, DIFF heads (half a baseline's heads)
+  index_t num_kv_heads = 0;  ///< Hkv, KV pairs for GQA; 0 means num_heads; H % Hkv == 0
+  int depth = 0;             ///< 0-based layer index; lambda_init(depth)
+  bool causal = true;        ///< causal mask over the sequence
+  bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; d even
+  bool norm_affine = true;   ///< learnable 2d weight of the per-head RMSNorm (subln.weight)
+  double rope_base = 10000;  ///< rotary base theta
+};
+
+/// Configuration of MultiheadDiffAttnV2.
+///
+/// q_proj E -> 2H * head_dim, k_proj and v_proj E -> Hkv * head_dim,
+/// lambda_proj E -> H, o_proj H * head_dim -> E.
+struct DiffAttnV2Config {
+  index_t embed_dim = 0;     ///< E
+  index_t num_heads = 0;     ///< H, output (DIFF) heads; 2H query heads
+  index_t num_kv_heads = 0;  ///< Hkv; 0 means num_heads; H % Hkv == 0 keeps pairs in a group
+  index_t head_dim = 0;      ///< width of every q/k/v head; 0 means E / num_heads
+  bool causal = true;        ///< causal mask over the sequence
+  bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; head_dim even
+  double rope_base = 10000;  ///< rotary base theta
+};
+
+/// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
+enum class WeightLayout {
+  /// The Diff Transformer reference (microsoft/unilm): DIFF head h uses query
+  /// heads 2h and 2h+1, kv pair g key heads 2g and 2g+1 and value head g (2d
+  /// wide); rotary on interleaved feature pairs (2i, 2i+1). What save writes.
+  native,
+  /// Hugging Face transformers' DiffLlama (self_attn of DiffLlamaForCausalLM,
+  /// num_attention_heads = 2H, num_key_value_heads = 2Hkv, head_dim = d): the
+  /// two maps of DIFF head h are query heads h and h + H (first and second half
+  /// of the heads), keys g and g + Hkv, the value of pair g is heads g and
+  /// g + Hkv concatenated; rotary rotates feature i with i + d/2 (rotate-half).
+  /// Loading permutes the rows of q_proj, k_proj and v_proj into the native
+  /// order (the layer then computes exactly DiffLlama's attention), reads the
+  /// output projection from `o_proj.weight`, and, DiffLlama's groupnorm having
+  /// no weight, sets subln.weight to ones.
+  diffllama,
+};
+
+/// Differential attention layer, V1 (split heads; Ye et al., ICLR 2025):
+///
+///   q = rope(x Wq^T) (B, N, 2H, d),  k = rope(x Wk^T) (B, N, 2Hkv, d),  v = x Wv^T (B, N, Hkv, 2d)
+///   a = diff_attention_v1(q, k, v, lambda_full)                          (B, N, H, 2d)
+///   y = ((1 - lambda_init) * RMSNorm_2d(a)) reshaped (B, N, E) Wout^T    (B, N, E)
+///
+/// lambda_full = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init(depth).
+/// Parameters carry the reference's state_dict names and shapes (nn.Linear
+/// weights are (out_features, in_features)); T is float or double.
+template <class T>
+class MultiheadDiffAttnV1 {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "MultiheadDiffAttnV1<T>: T is float or double");
+
+ public:
+  /// Builds the layer and initialises it as the reference does, deterministically
+  /// from `seed`: projections U(-1/sqrt(E), 1/sqrt(E)) (nn.Linear's default),
+  /// the four lambda vectors N(0, 0.1^2), subln.weight ones. Throws
+  /// diffattn::error for a bad configuration.
+  explicit MultiheadDiffAttnV1(const DiffAttnV1Config& config, std::uint64_t seed = 0)
+      : cfg_(checked(config)),
+        d_(cfg_.embed_dim / (2 * cfg_.num_heads)),
+        lambda_init_(diffattn::lambda_init(cfg_.depth)),
+        q_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        k_proj_({kv_width(), cfg_.embed_dim}),
+        v_proj_({kv_width(), cfg_.embed_dim}),
+        out_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        lambda_q1_({d_}),
+        lambda_k1_({d_}),
+        lambda_q2_({d_}),
+        lambda_k2_({d_}),
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}) {
+    detail::Rng rng(seed);
+    const index_t e = cfg_.embed_dim;
+    detail::module_init_linear(rng, q_proj_.data(), e, e);
+    detail::module_init_linear(rng, k_proj_.data(), kv_width(), e);
+    detail::module_init_linear(rng, v_proj_.data(), kv_width(), e);
+    detail::module_init_linear(rng, out_proj_.data(), e, e);
+    for (Tensor<T, 1>* l : {&lambda_q1_, &lambda_k1_, &lambda_q2_, &lambda_k2_})
+      detail::module_init_normal(rng, l->data(), d_, 0.1);
+    subln_weight_.fill(T(1));
+  }
+
+  /// The configuration, num_kv_heads resolved (never 0).
+  const DiffAttnV1Config& config() const noexcept { return cfg_; }
+  /// d = E / (2H), the width of one query/key half (values are 2d wide).
+  index_t head_dim() const noexcept { return d_; }
+  /// lambda_init(depth), fixed by the configuration.
+  double lambda_init() const noexcept { return lambda_init_; }
+  /// The current lambda_full from the four lambda vectors (throws if not finite).
+  T lambda_full() const {
+    return diffattn::lambda_full<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
+  }
+  /// Threads of the attention kernel (0: the OpenMP default).
+  void set_num_threads(int n) {
+    if (n < 0) detail::fail("MultiheadDiffAttnV1::set_num_threads", "n must be >= 0, got ", n);
+    num_threads_ = n;
+  }
+
+  /// Runs the layer on x (B, N, E) (any strides) and returns y (B, N, E),
+  /// contiguous. Tokens sit at positions position_offset .. position_offset + N - 1
+  /// for the rotary embedding (a block of new tokens after N0 earlier ones uses
+  /// offset N0); keys and values come from x alone. The causal mask, when on,
+  /// lets token i see tokens j <= i. Keeps the projections, the kernel's
+  /// log-sum-exp and the norm statistics (O(B N E), never N x N) for the
+  /// backward pass. Throws diffattn::error when x's last extent is not E or the
+  /// offset is negative.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+
+    saved_ = Saved{};
+    saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
+    saved_.q = Tensor<T, 4>({b, n, 2 * h, d_});       // (B, N, 2H, d)
+    saved_.k = Tensor<T, 4>({b, n, 2 * hkv, d_});     // (B, N, 2Hkv, d)
+    saved_.v = Tensor<T, 4>({b, n, hkv, 2 * d_});     // (B, N, Hkv, 2d)
+    detail::module_linear(saved_.x.data(), rows, e, q_proj_.data(), e, saved_.q.data());
+    detail::module_linear(saved_.x.data(), rows, e, k_proj_.data(), kv_width(), saved_.k.data());
+    detail::module_linear(saved_.x.data(), rows, e, v_proj_.data(), kv_width(), saved_.v.data());
+    if (cfg_.rope) {
+      apply_rope<T>(saved_.q.view(), position_offset, cfg_.rope_base);
+      apply_rope<T>(saved_.k.view(), position_offset, cfg_.rope_base);
+    }
+    saved_.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
+    saved_.attn = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.lse = Tensor<T, 3>({b, 2 * h, n});       // (B, 2H, N)
+    diff_attention_v1<T>(saved_.q, saved_.k, saved_.v, static_cast<T>(saved_.lambda.value()),
+                         saved_.attn.view(), saved_.lse.view(), options());
+    saved_.normed = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.inv_rms = Tensor<T, 3>({b, n, h});         // (B, N, H)
+    rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), kNormEps, 1.0 - lambda_init_,
+                saved_.inv_rms.view());
+    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    detail::module_linear(saved_.normed.data(), rows, e, out_proj_.data(), e, y.data());
+    saved_.position_offset = position_offset;
+    saved_.valid = true;
+    return y;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major as
+  /// PyTorch stores it: q_proj.weight (E*E), k_proj.weight and v_proj.weight
+  /// (E/(H/Hkv) * E), out_proj.weight (E*E), lambda_q1, lambda_k1, lambda_q2,
+  /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
+  /// write through to the layer.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it
+  /// (for sizing a large model). Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV1Config& config) {
+    std::map<std::string, std::vector<index_t>> out;
+    for (auto& p : param_list(checked(config), nullptr)) out[p.name] = p.shape;
+    return out;
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from the tensors prefix + name of a safetensors file
+  /// (F32, F64, F16 or BF16, converted to T), e.g. prefix
+  /// "model.layers.3.self_attn.". Extra tensors are ignored. When a tensor is
+  /// missing, has another shape or a non-float dtype, or the file is unreadable
+  /// or corrupt, diffattn::error names the file and the tensors (with both
+  /// shapes) and no parameter is changed. `layout` selects the row order and
+  /// names of the checkpoint (see WeightLayout).
+  void load_safetensors(const std::string& path, const std::string& prefix = "",
+                        WeightLayout layout = WeightLayout::native) {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    if (layout == WeightLayout::diffllama) {
+      src["q_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_heads, d_);
+      src["k_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_kv_heads, d_);
+      src["v_proj.weight"].row_perm = detail::module_diffllama_v_perm(cfg_.num_kv_heads, d_);
+      src["out_proj.weight"].file_name = "o_proj.weight";
+      if (cfg_.norm_affine) src["subln.weight"] = detail::ModuleSource{"", false, 1, {}};
+    }
+    detail::module_load<T>("MultiheadDiffAttnV1::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32 or F64), in the
+  /// native layout, with metadata {"format": "pt"}: the file loads with
+  /// safetensors.torch.load_file into the reference module's state_dict.
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV1*>(this)->param_list());
+  }
+
+ private:
+  static constexpr double kNormEps = 1e-5;
+
+  // What the last forward keeps for the backward pass.
+  struct Saved {
+    Tensor<T, 3> x;        // (B, N, E) the input, contiguous
+    Tensor<T, 4> q, k, v;  // (B, N, 2H, d), (B, N, 2Hkv, d) after rope; (B, N, Hkv, 2d)
+    Tensor<T, 4> attn;     // (B, N, H, 2d) kernel output, before the norm
+    Tensor<T, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+    Tensor<T, 4> normed;   // (B, N, H, 2d) out_proj's input
+    Tensor<T, 3> inv_rms;  // (B, N, H)
+    LambdaTerms lambda;
+    index_t position_offset = 0;
+    bool valid = false;
+  };
+
+  static DiffAttnV1Config checked(DiffAttnV1Config c) {
+    constexpr const char* fn = "MultiheadDiffAttnV1";
+    if (c.embed_dim < 1) detail::fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
+    if (c.num_heads < 1) detail::fail(fn, "num_heads must be >= 1, got ", c.num_heads);
+    if (c.num_kv_heads < 0)
+      detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
+    if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+    if (c.embed_dim % (2 * c.num_heads) != 0)
+      detail::fail(fn, "embed_dim ", c.embed_dim,
+                   " is not divisible by 2 * num_heads = ", 2 * c.num_heads, " (d = E / (2H))");
+    if (c.num_heads % c.num_kv_heads != 0)
+      detail::fail(fn, "num_heads ", c.num_heads, " is not a multiple of num_kv_heads ",
+                   c.num_kv_heads);
+    if (c.depth < 0) detail::fail(fn, "depth must be >= 0 (0-based layer index), got ", c.depth);
+    const index_t d = c.embed_dim / (2 * c.num_heads);
+    if (c.rope && d % 2 != 0)
+      detail::fail(fn, "rope needs an even head width, got d = E / (2H) = ", d);
+    if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+      detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    return c;
+  }
+
+  index_t kv_width() const noexcept {
+    return cfg_.embed_dim / (cfg_.num_heads / cfg_.num_kv_heads);
+  }
+
+  AttentionOptions options() const {
+    AttentionOptions o;
+    o.causal = cfg_.causal;
+    o.num_threads = num_threads_;
+    return o;
+  }
+
+  std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
+
+  // The parameters of a layer with the checked config c; data pointers are those
+  // of `self`, or null when only the shapes are wanted.
+  static std::vector<detail::ModuleParam<T>> param_list(const DiffAttnV1Config& c,
+                                                        MultiheadDiffAttnV1* self) {
+    const index_t e = c.embed_dim, d = e / (2 * c.num_heads);
+    const index_t kv = e / (c.num_heads / c.num_kv_heads);
+    auto ptr = [self](Tensor<T, 2> MultiheadDiffAttnV1::*w) {
+      return self ? (self->*w).data() : nullptr;
+    };
+    auto vptr = [self](Tensor<T, 1> MultiheadDiffAttnV1::*w) {
+      return self ? (self->*w).data() : nullptr;
+    };
+    std::vector<detail::ModuleParam<T>> l = {
+        {"q_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::q_proj_)},
+        {"k_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::k_proj_)},
+        {"v_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::v_proj_)},
+        {"out_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::out_proj_)},
+        {"lambda_q1", {d}, vptr(&MultiheadDiffAttnV1::lambda_q1_)},
+        {"lambda_k1", {d}, vptr(&MultiheadDiffAttnV1::lambda_k1_)},
+        {"lambda_q2", {d}, vptr(&MultiheadDiffAttnV1::lambda_q2_)},
+        {"lambda_k2", {d}, vptr(&MultiheadDiffAttnV1::lambda_k2_)}};
+    if (c.norm_affine)
+      l.push_back({"subln.weight", {2 * d}, vptr(&MultiheadDiffAttnV1::subln_weight_)});
+    return l;
+  }
+
+  DiffAttnV1Config cfg_;
+  index_t d_;
+  double lambda_init_;
+  Tensor<T, 2> q_proj_;                                         // (E, E)
+  Tensor<T, 2> k_proj_;                                         // (E / (H / Hkv), E)
+  Tensor<T, 2> v_proj_;                                         // (E / (H / Hkv), E)
+  Tensor<T, 2> out_proj_;                                       // (E, E)
+  Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
+  Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
+  int num_threads_ = 0;
+  Saved saved_;
+};
+
+/// Differential attention layer, V2 (doubled query heads):
+///
+///   q = rope(x Wq^T) (B, N, 2H, hd),  k = rope(x Wk^T), v = x Wv^T  (B, N, Hkv, hd)
+///   lambda_logit = x Wlambda^T                                      (B, N, H)
+///   a = diff_attention_v2(q, k, v, lambda_logit)                    (B, N, H, hd)
+///     = attn(q_2h) - sigmoid(lambda_logit_h) attn(q_2h+1), both in kv group h / (H / Hkv)
+///   y = a reshaped (B, N, H * hd) Wo^T                              (B, N, E)
+///
+/// No per-head norm. The KV cache per token (2 Hkv hd values) is the baseline's.
+template <class T>
+class MultiheadDiffAttnV2 {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "MultiheadDiffAttnV2<T>: T is float or double");
+
+ public:
+  /// Builds the layer with nn.Linear's default initialisation for all five
+  /// projections, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), deterministic from `seed`.
+  /// Throws diffattn::error for a bad configuration.
+  explicit MultiheadDiffAttnV2(const DiffAttnV2Config& config, std::uint64_t seed = 0)
+      : cfg_(checked(config)),
+        q_proj_({2 * cfg_.num_heads * cfg_.head_dim, cfg_.embed_dim}),
+        k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}) {
+    detail::Rng rng(seed);
+    for (Tensor<T, 2>* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_, &lambda_proj_})
+      detail::module_init_linear(rng, w->data(), w->shape(0), w->shape(1));
+  }
+
+  /// The configuration, num_kv_heads and head_dim resolved (never 0).
+  const DiffAttnV2Config& config() const noexcept { return cfg_; }
+  /// Width of every query, key and value head.
+  index_t head_dim() const noexcept { return cfg_.head_dim; }
+  /// Threads of the attention kernel (0: the OpenMP default).
+  void set_num_threads(int n) {
+    if (n < 0) detail::fail("MultiheadDiffAttnV2::set_num_threads", "n must be >= 0, got ", n);
+    num_threads_ = n;
+  }
+
+  /// Runs the layer on x (B, N, E) (any strides); returns y (B, N, E), contiguous.
+  /// position_offset and the kept state as in MultiheadDiffAttnV1::forward.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
+    const index_t hd = cfg_.head_dim;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+
+    saved_ = Saved{};
+    saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
+    saved_.q = Tensor<T, 4>({b, n, 2 * h, hd});       // (B, N, 2H, hd)
+    saved_.k = Tensor<T, 4>({b, n, hkv, hd});         // (B, N, Hkv, hd)
+    saved_.v = Tensor<T, 4>({b, n, hkv, hd});         // (B, N, Hkv, hd)
+    saved_.lambda_logit = Tensor<T, 3>({b, n, h});    // (B, N, H)
+    const T* xs = saved_.x.data();
+    detail::module_linear(xs, rows, e, q_proj_.data(), 2 * h * hd, saved_.q.data());
+    detail::module_linear(xs, rows, e, k_proj_.data(), hkv * hd, saved_.k.data());
+    detail::module_linear(xs, rows, e, v_proj_.data(), hkv * hd, saved_.v.data());
+    detail::module_linear(xs, rows, e, lambda_proj_.data(), h, saved_.lambda_logit.data());
+    if (cfg_.rope) {
+      apply_rope<T>(saved_.q.view(), position_offset, cfg_.rope_base);
+      apply_rope<T>(saved_.k.view(), position_offset, cfg_.rope_base);
+    }
+    saved_.attn = Tensor<T, 4>({b, n, h, hd});  // (B, N, H, hd)
+    saved_.lse = Tensor<T, 3>({b, 2 * h, n});   // (B, 2H, N)
+    AttentionOptions o;
+    o.causal = cfg_.causal;
+    o.num_threads = num_threads_;
+    diff_attention_v2<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
+                         saved_.lse.view(), o);
+    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    detail::module_linear(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, y.data());
+    saved_.position_offset = position_offset;
+    saved_.valid = true;
+    return y;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major:
+  /// q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd, E),
+  /// o_proj.weight (E, H*hd), lambda_proj.weight (H, E). The views write through.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it.
+  /// Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV2Config& config) {
+    const DiffAttnV2Config c = checked(config);
+    const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
+    return {{"q_proj.weight", {2 * h * hd, e}},
+            {"k_proj.weight", {hkv * hd, e}},
+            {"v_proj.weight", {hkv * hd, e}},
+            {"o_proj.weight", {e, h * hd}},
+            {"lambda_proj.weight", {h, e}}};
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from prefix + name; same rules and errors as
+  /// MultiheadDiffAttnV1::load_safetensors (native layout only).
+  void load_safetensors(const std::string& path, const std::string& prefix = "") {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    detail::module_load<T>("MultiheadDiffAttnV2::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32 or F64).
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV2*>(this)->param_list());
+  }
+
+ private:
+  struct Saved {
+    Tensor<T, 3> x;        // (B, N, E)
+    Tensor<T, 4> q, k, v;  // (B, N, 2H, hd) after rope, (B, N, Hkv, hd) after rope, (B, N, Hkv, hd)
+    Tensor<T, 3> lambda_logit;  // (B, N, H)
+    Tensor<T, 4> attn;          // (B, N, H, hd) o_proj's input
+    Tensor<T, 3> lse;           // (B, 2H, N)
+    index_t position_offset = 0;
+    bool valid = false;
+  };
+
+  static DiffAttnV2Config checked(DiffAttnV2Config c) {
+    constexpr const char* fn = "MultiheadDiffAttnV2";
+    if (c.embed_dim < 1) detail::fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
+    if (c.num_heads < 1) detail::fail(fn, "num_heads must be >= 1, got ", c.num_heads);
+    if (c.num_kv_heads < 0)
+      detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
+    if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+    if (c.head_dim < 0)
+      detail::fail(fn, "head_dim must be >= 0 (0: E / num_heads), got ", c.head_dim);
+    if (c.head_dim == 0) {
+      if (c.embed_dim % c.num_heads != 0)
+        detail::fail(fn, "embed_dim ", c.embed_dim, " is not divisible by num_heads ", c.num_heads,
+                     " (head_dim 0 means E / num_heads)");
+      c.head_dim = c.embed_dim / c.num_heads;
+    }
+    if (c.num_heads % c.num_kv_heads != 0)
+      detail::fail(fn, "num_heads ", c.num_heads, " is not a multiple of num_kv_heads ",
+                   c.num_kv_heads, " (both query heads of a DIFF head must share a kv group)");
+    if (c.rope && c.head_dim % 2 != 0)
+      detail::fail(fn, "rope needs an even head_dim, got ", c.head_dim);
+    if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+      detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    return c;
+  }
+
+  std::vector<detail::ModuleParam<T>> param_list() {
+    const std::map<std::string, Tensor<T, 2>*> storage = {{"q_proj.weight", &q_proj_},
+                                                          {"k_proj.weight", &k_proj_},
+                                                          {"v_proj.weight", &v_proj_},
+                                                          {"o_proj.weight", &o_proj_},
+                                                          {"lambda_proj.weight", &lambda_proj_}};
+    std::vector<detail::ModuleParam<T>> l;
+    for (const auto& kv : parameter_shapes(cfg_))
+      l.push_back({kv.first, kv.second, storage.at(kv.first)->data()});
+    return l;
+  }
+
+  DiffAttnV2Config cfg_;
+  Tensor<T, 2> q_proj_;       // (2H * hd, E)
+  Tensor<T, 2> k_proj_;       // (Hkv * hd, E)
+  Tensor<T, 2> v_proj_;       // (Hkv * hd, E)
+  Tensor<T, 2> o_proj_;       // (E, H * hd)
+  Tensor<T, 2> lambda_proj_;  // (H, E)
+  int num_threads_ = 0;
+  Saved saved_;
+};
+
+DIFFATTN_END_NAMESPACE
