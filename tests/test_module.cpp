@@ -671,6 +671,13 @@ TEST_CASE("a wrong shape, a missing tensor or a corrupt file changes nothing",
   test::require_error([&] { m.load_safetensors(path); },
                       {"MultiheadDiffAttnV1::load_safetensors", path.c_str(), "out of range"});
   CHECK(snapshot(m) == before);
+  auto biased = file;
+  const std::vector<float> bias(16, 0.f);
+  biased["q_proj.bias"] = st::make_tensor<float>({16}, bias.data());
+  diffattn::write_safetensors(path, biased);
+  test::require_error([&] { m.load_safetensors(path); },
+                      {"'q_proj.bias'", "no bias", "no parameter was changed"});
+  CHECK(snapshot(m) == before);
   test::require_error([&] { m.load_safetensors("/nonexistent/file.safetensors"); },
                       {"cannot open"});
   std::remove(path.c_str());

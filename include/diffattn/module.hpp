@@ -66,7 +66,9 @@ enum class WeightLayout {
   /// Loading permutes the rows of q_proj, k_proj and v_proj into the native
   /// order (the layer then computes exactly DiffLlama's attention), reads the
   /// output projection from `o_proj.weight`, and, DiffLlama's groupnorm having
-  /// no weight, sets subln.weight to ones.
+  /// no weight, sets subln.weight to ones. Configure the layer with depth =
+  /// layer_idx and rope_base = rope_theta; checkpoints with attention_bias are
+  /// refused (the layer has no biases).
   diffllama,
 };
 

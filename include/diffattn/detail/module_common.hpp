@@ -97,6 +97,16 @@ void module_load(const char* fn, const std::string& path, const std::string& pre
                  const std::vector<ModuleParam<T>>& params,
                  const std::map<std::string, ModuleSource>& sources) {
   const safetensors::Reader reader(path, fn);
+  // A biased projection would be silently wrong without its bias: refuse it.
+  for (const auto& kv : sources) {
+    const std::string& w = kv.second.file_name;
+    const std::string::size_type dot = w.rfind(".weight");
+    if (dot == std::string::npos || dot + 7 != w.size()) continue;
+    const std::string bias = prefix + w.substr(0, dot) + ".bias";
+    if (reader.contains(bias))
+      fail(fn, "'", path, "': the file has '", bias,
+           "', but the layer's projections have no bias; no parameter was changed");
+  }
   std::string missing, mismatched;
   for (const ModuleParam<T>& p : params) {
     const ModuleSource& src = sources.at(p.name);
