@@ -2,6 +2,7 @@
 #pragma once
 
 #include "attention.hpp"
+#include "attention_backward.hpp"
 #include "config.hpp"
 #include "diff_weights.hpp"
 #include "error.hpp"

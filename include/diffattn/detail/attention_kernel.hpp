@@ -125,7 +125,7 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
       const T* panel = kp + j0 * d;
       for (index_t r = 0; r < tiles; ++r) {
         if (j0 >= tile_end(r)) continue;
-        micro_kernel<T>(d, qs[m] + r * MR * d, d, panel, s[m] + r * MR * lds + j0, lds, false);
+        micro_kernel<T>(d, qs[m] + r * MR * d, d, panel, NR, s[m] + r * MR * lds + j0, lds, false);
       }
     }
   }
@@ -164,7 +164,7 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
       const index_t depth = std::min(j1, te) - j0;
       const T* a = s[0] + r * MR * lds + j0;
       for (index_t c0 = 0; c0 < dvp; c0 += NR)
-        micro_kernel<T>(depth, a, lds, vp + c0 * kc, o + r * MR * dvp + c0, dvp, true);
+        micro_kernel<T>(depth, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp, true);
     }
   }
 
@@ -227,6 +227,7 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     return;
   }
 #endif
+  (void)threads;
   for (index_t t = 0; t < tasks; ++t) run_task(t);
   thread_workspace<T>().trim();
 }

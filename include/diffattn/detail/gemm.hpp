@@ -2,8 +2,9 @@
 // scores S = (s Q) K^T and output O = W V.
 //
 // Both are C (kMR x kNR) += A (kMR x depth) B (depth x kNR): A rows are read in
-// place (row-major, one scalar broadcast per row and step), B is a packed panel
-// of kNR-wide rows, contiguous and aligned.
+// place (row-major, one scalar broadcast per row and step), B rows are kNR
+// contiguous, packet-aligned elements: a packed panel, or a row-major buffer
+// whose leading dimension is a multiple of kNR.
 #pragma once
 
 #include <algorithm>
@@ -18,11 +19,11 @@ DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
 /// C[r, 0:kNR] (+)= sum_t A[r, t] B[t, 0:kNR] for r < kMR.
-/// a: row r at a + r * lda, contiguous in t; b: packed panel, row t at b + t * kNR,
-/// aligned to a packet; c: row r at c + r * ldc. accumulate adds to C.
+/// a: row r at a + r * lda, contiguous in t; b: row t at b + t * ldb, aligned to
+/// a packet; c: row r at c + r * ldc. accumulate adds to C.
 template <class T>
-inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, T* c, index_t ldc,
-                         bool accumulate) {
+inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, index_t ldb, T* c,
+                         index_t ldc, bool accumulate) {
   using Cfg = TileConfig<T>;
   using Packet = typename Cfg::Packet;
   using Eigen::internal::pload;
@@ -44,7 +45,7 @@ inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, T* 
   for (index_t t = 0; t < depth; ++t) {
     const Packet b0 = pload<Packet>(b);
     const Packet b1 = pload<Packet>(b + P);
-    b += 2 * P;
+    b += ldb;
     Packet x = pset1<Packet>(a0[t]);
     c00 = pmadd(x, b0, c00);
     c01 = pmadd(x, b1, c01);

@@ -1,0 +1,85 @@
+// Backward pass of the fused kernels: gradients of q, k, v and lambda from the
+// forward's saved log-sum-exp, with no N x M buffer.
+#pragma once
+
+#include "config.hpp"
+#include "detail/attention_backward.hpp"
+#include "detail/traits.hpp"
+#include "detail/validate.hpp"
+#include "options.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+/// \defgroup backward Backward kernels
+///
+/// Each takes the forward's arguments, its output `out` and its `lse`
+/// (B, Hq, N) (both as the forward wrote them), and dout (the shape of out),
+/// and writes the gradients: dq, dk, dv have the shapes of q, k, v. Gradients
+/// are overwritten, not accumulated. Scores are recomputed tile by tile from
+/// lse; memory is O(kBlockM x M) per thread plus O(M d) per kv group.
+/// Under GQA the gradient of a kv head sums over every query head that reads
+/// it. Threads run over (batch, kv group), so results are bitwise identical
+/// for any thread count. Checks and errors as in the forward kernels; no
+/// gradient may overlap an input or another gradient.
+/// @{
+
+/// Backward of diff_attention_v1 with one lambda for the layer; dlambda is
+/// dL/dlambda summed over batch, heads and rows.
+template <class T>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
+    const AttentionOptions& options = {}) {
+  detail::run_attention_backward(
+      detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+                             TensorView<T, 1>(&dlambda, {1}), options),
+      options);
+}
+
+/// Backward of diff_attention_v1 with one lambda per DIFF head: dlambda (H).
+template <class T>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {}) {
+  detail::run_attention_backward(
+      detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda, options),
+      options);
+}
+
+/// Backward of diff_attention_v2; dlambda_logit (B, N, H) is the gradient of
+/// the logit (through the sigmoid).
+template <class T>
+void diff_attention_v2_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {}) {
+  detail::run_attention_backward(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv,
+                                                        dlambda_logit, options),
+                                 options);
+}
+
+/// Backward of the plain attention.
+template <class T>
+void attention_backward(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const T, 3> lse, detail::nondeduced_view<const T, 4> dout,
+                        detail::nondeduced_view<T, 4> dq, detail::nondeduced_view<T, 4> dk,
+                        detail::nondeduced_view<T, 4> dv, const AttentionOptions& options = {}) {
+  detail::run_attention_backward(detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options),
+                                 options);
+}
+
+/// @}
+
+DIFFATTN_END_NAMESPACE
