@@ -98,6 +98,48 @@ void plain(benchmark::State& state) {
                4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
 }
 
+// Backward: GFLOPS counts 2.5x the forward's useful work (recomputed scores,
+// dW, dQ, dK, dV: the flash-attention convention; V1 does exactly 10 P d
+// multiply-adds per DIFF head, 2.5x its forward).
+template <bool Fused>
+void v1_backward(benchmark::State& state) {
+  const index_t n = state.range(0), H = 8, d = kHeadDim;
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2), v = random4({1, n, H, 2 * d}, 3);
+  const auto dout = random4({1, n, H, 2 * d}, 4);
+  Tensor<float, 4> out({1, n, H, 2 * d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
+  Tensor<float, 3> lse({1, 2 * H, n});
+  const auto o = options(state, Fused);
+  diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
+  float dlambda = 0;
+  for (auto _ : state) {
+    if (Fused) diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda, o);
+    else diffattn::reference::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda, o);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  set_counters(state, 2.5 * H * 8.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
+}
+
+void plain_backward(benchmark::State& state) {
+  const index_t n = state.range(0), H = 16, d = kHeadDim;
+  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2), v = random4({1, n, H, d}, 3);
+  const auto dout = random4({1, n, H, d}, 4);
+  Tensor<float, 4> out({1, n, H, d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
+  Tensor<float, 3> lse({1, H, n});
+  const auto o = options(state, true);
+  diffattn::attention<float>(q, k, v, out, lse, o);
+  for (auto _ : state) {
+    diffattn::attention_backward<float>(q, k, v, out, lse, dout, dq, dk, dv, o);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  set_counters(state, 2.5 * H * 4.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
+}
+
+void BM_Fused_V1Backward(benchmark::State& s) { v1_backward<true>(s); }
+void BM_Reference_V1Backward(benchmark::State& s) { v1_backward<false>(s); }
+void BM_Fused_PlainBackward(benchmark::State& s) { plain_backward(s); }
+
 void BM_Fused_V1(benchmark::State& s) { v1<true>(s); }
 void BM_Reference_V1(benchmark::State& s) { v1<false>(s); }
 void BM_Fused_V2(benchmark::State& s) { v2<true>(s); }
@@ -147,5 +189,8 @@ BENCHMARK(BM_Fused_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 
 BENCHMARK(BM_Reference_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
+BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
 
 BENCHMARK_MAIN();
