@@ -161,10 +161,26 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
     for (index_t r = 0; r < tiles; ++r) {
       const index_t te = tile_end(r);
       if (te <= j0) continue;
-      const index_t depth = std::min(j1, te) - j0;
+      // Keys every row of the tile sees go through the micro-kernel; the few
+      // (< kMR) that only its later rows see are added row by row, so that a
+      // non-finite value row never meets a masked (zero) weight: NaN stays in
+      // the rows that see it.
+      const index_t shared_end = std::min(j1, kend(r * MR));
       const T* a = s[0] + r * MR * lds + j0;
-      for (index_t c0 = 0; c0 < dvp; c0 += NR)
-        micro_kernel<T>(depth, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp, true);
+      if (shared_end > j0)
+        for (index_t c0 = 0; c0 < dvp; c0 += NR)
+          micro_kernel<T>(shared_end - j0, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp, true);
+      for (index_t j = std::max(j0, shared_end); j < std::min(j1, te); ++j) {
+        for (index_t ii = r * MR; ii < std::min(r * MR + MR, rows); ++ii) {
+          if (j >= kend(ii)) continue;
+          const T wij = s[0][ii * lds + j];
+          T* orow = o + ii * dvp;
+          for (index_t c0 = 0; c0 < dvp; c0 += NR) {
+            const T* vrow = vp + c0 * kc + (j - j0) * NR;
+            for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
+          }
+        }
+      }
     }
   }
 

@@ -51,9 +51,15 @@ void reference_head(const AttentionProblem<T>& p, index_t b, index_t oh) {
         }
         w = a1 - lambda.asDiagonal() * a2;
       }
-      const Matrix<T> o = w * gather_head(p.v, b, g);  // (N, dv)
-      for (index_t i = 0; i < N; ++i)
-        for (index_t c = 0; c < p.value_dim; ++c) p.out(b, i, oh, c) = M > 0 ? o(i, c) : T(0);
+      // Each row only over the keys it sees: a masked key's (zero) weight never
+      // multiplies its values, so non-finite values stay in the rows that see them.
+      const Matrix<T> v = gather_head(p.v, b, g);  // (M, dv)
+      for (index_t i = 0; i < N; ++i) {
+        const index_t n = key_end(p.causal, i, N, M);
+        Eigen::Matrix<T, 1, Eigen::Dynamic> o = Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(p.value_dim);
+        if (n > 0) o.noalias() = w.row(i).head(n) * v.topRows(n);
+        for (index_t c = 0; c < p.value_dim; ++c) p.out(b, i, oh, c) = o(c);
+      }
       if (p.has_lse())
         for (int m = 0; m < p.maps(); ++m)
           for (index_t i = 0; i < N; ++i) p.lse(b, qhead[m], i) = lse[m](i);

@@ -13,6 +13,7 @@
 // read.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -246,7 +247,21 @@ class Reader {
         }
         continue;
       }
+      if (tensors_.count(name)) fail("tensor '", name, "' appears twice in the header");
       tensors_[name] = parse_entry(name, v);
+    }
+    // Two tensors may not share bytes: a file that aliases data is corrupt.
+    std::vector<std::pair<const std::string*, const TensorInfo*>> by_begin;
+    for (const auto& kv : tensors_)
+      if (kv.second.end > kv.second.begin) by_begin.emplace_back(&kv.first, &kv.second);
+    std::sort(by_begin.begin(), by_begin.end(),
+              [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+    for (std::size_t i = 1; i < by_begin.size(); ++i) {
+      const TensorInfo& prev = *by_begin[i - 1].second;
+      const TensorInfo& cur = *by_begin[i].second;
+      if (cur.begin < prev.end)
+        fail("tensors '", *by_begin[i - 1].first, "' [", prev.begin, ", ", prev.end, ") and '",
+             *by_begin[i].first, "' [", cur.begin, ", ", cur.end, ") overlap in the data section");
     }
   }
 
