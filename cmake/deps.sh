@@ -1,8 +1,13 @@
 #!/bin/sh
 # Installs what diffattn needs to build, test and benchmark, by Debian package
 # name. As root it runs apt-get; otherwise it prints the exact line and stops.
+# --test adds what the full check needs: clang and its sanitizer and libFuzzer
+# runtime.
 set -eu
 packages="cmake g++ make libeigen3-dev catch2 libbenchmark-dev"
+if [ "${1:-}" = "--test" ]; then
+  packages="$packages clang libclang-rt-dev"
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps: not a Debian system; make sure these are installed: $packages" >&2

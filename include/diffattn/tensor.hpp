@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -45,11 +46,13 @@ index_t checked_size(const char* fn, const std::array<index_t, R>& shape, std::s
 
 template <std::size_t R>
 std::array<index_t, R> row_major_strides(const std::array<index_t, R>& shape) {
+  // Saturating: an empty view may have huge other extents, and its strides
+  // are never used to address anything.
   std::array<index_t, R> s{};
   index_t acc = 1;
   for (std::size_t i = R; i-- > 0;) {
     s[i] = acc;
-    acc *= shape[i] > 0 ? shape[i] : 1;
+    if (!mul_ok(acc, shape[i] > 0 ? shape[i] : 1, acc)) acc = std::numeric_limits<index_t>::max();
   }
   return s;
 }
@@ -75,9 +78,9 @@ class TensorView {
   TensorView() noexcept : data_(nullptr), shape_{}, strides_{} {}
 
   /// Row-major view over `shape`.
-  TensorView(T* data, const shape_type& shape)
-      : data_(data), shape_(shape), strides_(detail::row_major_strides(shape)) {
-    detail::checked_size("TensorView", shape_, sizeof(T));
+  TensorView(T* data, const shape_type& shape) : data_(data), shape_(shape), strides_{} {
+    detail::checked_size("TensorView", shape_, sizeof(T));  // before the strides multiply extents
+    strides_ = detail::row_major_strides(shape_);
     check_data();
   }
 
@@ -117,6 +120,8 @@ class TensorView {
 
   /// Number of elements (product of the extents).
   index_t size() const noexcept {
+    for (index_t e : shape_)
+      if (e == 0) return 0;  // other extents may be huge: never multiply them
     index_t n = 1;
     for (index_t e : shape_) n *= e;
     return n;
@@ -126,6 +131,7 @@ class TensorView {
   /// True when the strides are the row-major strides of the shape (extents
   /// of 0 or 1 accept any stride).
   bool is_contiguous() const noexcept {
+    if (empty()) return true;  // (and its extents' product may not fit in index_t)
     index_t acc = 1;
     for (std::size_t i = R; i-- > 0;) {
       if (shape_[i] > 1 && strides_[i] != acc) return false;
@@ -147,13 +153,17 @@ class TensorView {
     return data_[off];
   }
 
-  /// Lowest and one-past-highest address the view can touch (equal when empty).
-  const void* span_begin() const noexcept { return static_cast<const void*>(data_); }
-  const void* span_end() const noexcept {
-    if (empty()) return static_cast<const void*>(data_);
-    index_t last = 0;
-    for (std::size_t r = 0; r < R; ++r) last += (shape_[r] - 1) * strides_[r];
-    return static_cast<const void*>(data_ + last + 1);
+  /// Lowest and one-past-highest address the view can touch, as integers
+  /// (equal when empty). Integers, not pointers: a view's span is only a
+  /// promise about memory it may not own, and pointer arithmetic past an
+  /// object is undefined.
+  std::uintptr_t span_begin() const noexcept { return reinterpret_cast<std::uintptr_t>(data_); }
+  std::uintptr_t span_end() const noexcept {
+    if (empty()) return span_begin();
+    std::uintptr_t last = 0;
+    for (std::size_t r = 0; r < R; ++r)
+      last += static_cast<std::uintptr_t>(shape_[r] - 1) * static_cast<std::uintptr_t>(strides_[r]);
+    return span_begin() + (last + 1) * sizeof(T);
   }
 
  private:

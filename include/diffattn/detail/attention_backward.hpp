@@ -17,6 +17,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <vector>
@@ -364,11 +365,11 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
   check_shape(fn, "dv", bp.dv, p.v.shape(), "the shape of v");
   struct Named {
     const char* name;
-    const void* begin;
-    const void* end;
+    std::uintptr_t begin;
+    std::uintptr_t end;
   };
   auto named = [](const char* name, const auto& t) {
-    return Named{name, t.empty() ? nullptr : t.span_begin(), t.empty() ? nullptr : t.span_end()};
+    return Named{name, t.empty() ? 0 : t.span_begin(), t.empty() ? 0 : t.span_end()};
   };
   const Named inputs[] = {named("q", p.q),       named("k", p.k),
                           named("v", p.v),       named("out", p.out),
@@ -377,8 +378,7 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
   const Named outputs[] = {named("dq", bp.dq), named("dk", bp.dk), named("dv", bp.dv),
                            named("dlambda", bp.dlambda), named("dlambda_logit", bp.dlambda_logit)};
   auto overlap = [](const Named& a, const Named& b) {
-    return a.begin && b.begin && static_cast<const char*>(a.begin) < static_cast<const char*>(b.end) &&
-           static_cast<const char*>(b.begin) < static_cast<const char*>(a.end);
+    return a.begin && b.begin && a.begin < b.end && b.begin < a.end;
   };
   for (const Named& o : outputs) {
     for (const Named& i : inputs)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "../config.hpp"
@@ -42,10 +43,8 @@ struct AttentionProblem {
 template <class A, class B>
 bool ranges_overlap(const A& a, const B& b) {
   if (a.empty() || b.empty()) return false;
-  const char* a0 = static_cast<const char*>(a.span_begin());
-  const char* a1 = static_cast<const char*>(a.span_end());
-  const char* b0 = static_cast<const char*>(b.span_begin());
-  const char* b1 = static_cast<const char*>(b.span_end());
+  const std::uintptr_t a0 = a.span_begin(), a1 = a.span_end();
+  const std::uintptr_t b0 = b.span_begin(), b1 = b.span_end();
   return a0 < b1 && b0 < a1;
 }
 

@@ -1,0 +1,49 @@
+#!/bin/sh
+# The README's test command: builds and runs everything that guards a change.
+#   1. the release build: tests, examples' smoke tests, consumer projects;
+#   2. the test suite again under AddressSanitizer + UndefinedBehaviorSanitizer;
+#   3. the libFuzzer targets (clang) over their seed corpora and then for
+#      DIFFATTN_FUZZ_SECONDS (default 60) each.
+# DIFFATTN_JOBS sets the build parallelism (default 2).
+set -eu
+cd "$(dirname "$0")/.."
+jobs=${DIFFATTN_JOBS:-2}
+fuzz_seconds=${DIFFATTN_FUZZ_SECONDS:-60}
+
+sh cmake/deps.sh --test
+
+echo "== 1/3 release build and tests"
+cmake -S . -B build
+cmake --build build -j"$jobs"
+ctest --test-dir build --output-on-failure -j"$jobs"
+
+echo "== 2/3 tests under AddressSanitizer and UndefinedBehaviorSanitizer"
+san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=Debug -DDIFFATTN_BUILD_BENCH=OFF \
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san"
+cmake --build build-sanitize -j"$jobs"
+# The memory test measures resident memory, which the sanitizers' shadow inflates;
+# the consumer projects build without the sanitizer flags.
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-sanitize --output-on-failure -j"$jobs" -E "memory|consumer"
+
+echo "== 3/3 fuzzing the safetensors reader and the view checks"
+cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DDIFFATTN_BUILD_FUZZERS=ON -DDIFFATTN_BUILD_TESTS=OFF -DDIFFATTN_BUILD_EXAMPLES=OFF \
+  -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF
+cmake --build build-fuzz -j"$jobs"
+ctest --test-dir build-fuzz --output-on-failure
+for target in safetensors views; do
+  corpus="build-fuzz/corpus/$target"
+  mkdir -p "$corpus"
+  log="build-fuzz/fuzz_$target.log"
+  echo "-- fuzz_$target for ${fuzz_seconds}s"
+  if ! (cd build-fuzz && ./tests/fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" \
+        -print_final_stats=1 "corpus/$target" "../tests/fuzz/corpus/$target") >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "fuzz_$target found a failure (input saved in build-fuzz/)"
+    exit 1
+  fi
+  grep -E "^Done|stat::number_of_executed_units" "$log" || true
+done
+echo "== all checks passed"
