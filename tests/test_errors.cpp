@@ -1,6 +1,7 @@
 // Every public entry point refuses bad input with diffattn::error whose message
 // names the function, the argument and the shapes: one table, one row a case.
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <string>
@@ -31,7 +32,8 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 const float kInf = std::numeric_limits<float>::infinity();
 
 std::string temp_file(const char* name, const std::string& bytes) {
-  const std::string path = std::string("diffattn_errors_") + name + ".safetensors";
+  const std::string path =
+      (std::filesystem::temp_directory_path() / (std::string("diffattn_errors_") + name + ".safetensors")).string();
   std::FILE* f = std::fopen(path.c_str(), "wb");
   REQUIRE(f);
   std::fwrite(bytes.data(), 1, bytes.size(), f);
