@@ -11,6 +11,7 @@
 #include "matrix.hpp"
 #include "module.hpp"
 #include "norm.hpp"
+#include "optim.hpp"
 #include "options.hpp"
 #include "reference.hpp"
 #include "rope.hpp"

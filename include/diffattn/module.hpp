@@ -10,14 +10,17 @@
 #include <vector>
 
 #include "attention.hpp"
+#include "attention_backward.hpp"
 #include "config.hpp"
 #include "detail/format.hpp"
 #include "detail/module_common.hpp"
 #include "detail/random.hpp"
+#include "diff_weights.hpp"
 #include "lambda.hpp"
 #include "norm.hpp"
 #include "options.hpp"
 #include "rope.hpp"
+#include "softmax.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -87,6 +90,9 @@ class MultiheadDiffAttnV1 {
                 "MultiheadDiffAttnV1<T>: T is float or double");
 
  public:
+  using value_type = T;
+  using config_type = DiffAttnV1Config;
+
   /// Builds the layer and initialises it as the reference does, deterministically
   /// from `seed`: projections U(-1/sqrt(E), 1/sqrt(E)) (nn.Linear's default),
   /// the four lambda vectors N(0, 0.1^2), subln.weight ones. Throws
@@ -103,7 +109,8 @@ class MultiheadDiffAttnV1 {
         lambda_k1_({d_}),
         lambda_q2_({d_}),
         lambda_k2_({d_}),
-        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}) {
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
+        grads_(parameter_shapes(cfg_)) {
     detail::Rng rng(seed);
     const index_t e = cfg_.embed_dim;
     detail::module_init_linear(rng, q_proj_.data(), e, e);
@@ -141,7 +148,7 @@ class MultiheadDiffAttnV1 {
   /// offset is negative.
   Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
     constexpr const char* fn = "MultiheadDiffAttnV1::forward";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     if (x.shape(2) != e)
       detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
     if (position_offset < 0)
@@ -150,16 +157,7 @@ class MultiheadDiffAttnV1 {
 
     saved_ = Saved{};
     saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
-    saved_.q = Tensor<T, 4>({b, n, 2 * h, d_});       // (B, N, 2H, d)
-    saved_.k = Tensor<T, 4>({b, n, 2 * hkv, d_});     // (B, N, 2Hkv, d)
-    saved_.v = Tensor<T, 4>({b, n, hkv, 2 * d_});     // (B, N, Hkv, 2d)
-    detail::module_linear(saved_.x.data(), rows, e, q_proj_.data(), e, saved_.q.data());
-    detail::module_linear(saved_.x.data(), rows, e, k_proj_.data(), kv_width(), saved_.k.data());
-    detail::module_linear(saved_.x.data(), rows, e, v_proj_.data(), kv_width(), saved_.v.data());
-    if (cfg_.rope) {
-      apply_rope<T>(saved_.q.view(), position_offset, cfg_.rope_base);
-      apply_rope<T>(saved_.k.view(), position_offset, cfg_.rope_base);
-    }
+    project(saved_.x, position_offset, saved_.q, saved_.k, saved_.v);
     saved_.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
     saved_.attn = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
     saved_.lse = Tensor<T, 3>({b, 2 * h, n});       // (B, 2H, N)
@@ -174,6 +172,108 @@ class MultiheadDiffAttnV1 {
     saved_.position_offset = position_offset;
     saved_.valid = true;
     return y;
+  }
+
+  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides)
+  /// and returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to
+  /// every gradient buffer (see gradients()): through out_proj, the
+  /// (1 - lambda_init) scale and the per-head RMSNorm (input and subln.weight),
+  /// the attention kernel (q, k, v and lambda_full, and from lambda_full into
+  /// the four lambda vectors), the inverse rotary rotation and the projections.
+  /// The forward's state is kept: a second backward after one forward adds the
+  /// same gradients again. Parameters must not change between forward and
+  /// backward. An empty batch or sequence returns an empty dx and adds
+  /// nothing. Throws diffattn::error when no forward ran yet or dy's shape is
+  /// not the forward output's.
+  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::backward";
+    if (!saved_.valid) detail::fail(fn, "backward called before forward");
+    if (dy.shape() != saved_.x.shape())
+      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
+                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
+    if (rows == 0) return Tensor<T, 3>({b, n, e});  // no tokens: no gradient to add
+    const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
+
+    Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    detail::module_linear_backward(saved_.normed.data(), rows, e, out_proj_.data(), e, g.data(),
+                                   grads_.at("out_proj.weight"), dnormed.data(), false);
+    Tensor<T, 4> dattn({b, n, h, 2 * d_});              // (B, N, H, 2d)
+    Tensor<T, 1> dsubln({cfg_.norm_affine ? 2 * d_ : 0});  // (2d) or (0)
+    rms_norm_backward<T>(saved_.attn, subln_weight_, saved_.inv_rms, dnormed, dattn.view(),
+                         dsubln.view(), 1.0 - lambda_init_);
+    if (cfg_.norm_affine) detail::module_add(grads_.at("subln.weight"), dsubln.data(), 2 * d_);
+
+    Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
+    T dlambda = 0;
+    diff_attention_v1_backward<T>(saved_.q, saved_.k, saved_.v,
+                                  static_cast<T>(saved_.lambda.value()), saved_.attn, saved_.lse,
+                                  dattn, dq.view(), dk.view(), dv.view(), dlambda, options());
+    // lambda_full = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
+    const double g1 = static_cast<double>(dlambda) * saved_.lambda.e1;
+    const double g2 = -static_cast<double>(dlambda) * saved_.lambda.e2;
+    T* dq1 = grads_.at("lambda_q1");
+    T* dk1 = grads_.at("lambda_k1");
+    T* dq2 = grads_.at("lambda_q2");
+    T* dk2 = grads_.at("lambda_k2");
+    for (index_t i = 0; i < d_; ++i) {
+      dq1[i] += static_cast<T>(g1 * static_cast<double>(lambda_k1_(i)));
+      dk1[i] += static_cast<T>(g1 * static_cast<double>(lambda_q1_(i)));
+      dq2[i] += static_cast<T>(g2 * static_cast<double>(lambda_k2_(i)));
+      dk2[i] += static_cast<T>(g2 * static_cast<double>(lambda_q2_(i)));
+    }
+    // A rotation is orthogonal: its gradient is the inverse rotation.
+    if (cfg_.rope) {
+      apply_rope_inverse<T>(dq.view(), saved_.position_offset, cfg_.rope_base);
+      apply_rope_inverse<T>(dk.view(), saved_.position_offset, cfg_.rope_base);
+    }
+    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
+    const T* xs = saved_.x.data();
+    detail::module_linear_backward(xs, rows, e, q_proj_.data(), e, dq.data(),
+                                   grads_.at("q_proj.weight"), dx.data(), false);
+    detail::module_linear_backward(xs, rows, e, k_proj_.data(), kv_width(), dk.data(),
+                                   grads_.at("k_proj.weight"), dx.data(), true);
+    detail::module_linear_backward(xs, rows, e, v_proj_.data(), kv_width(), dv.data(),
+                                   grads_.at("v_proj.weight"), dx.data(), true);
+    return dx;
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened exactly
+  /// as parameters() (same names, sizes and order), so an optimizer pairs them
+  /// by name. The views write through; zero_grad() clears them.
+  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
+  /// Sets every gradient to zero (backward adds to them).
+  void zero_grad() { grads_.zero(); }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
+  /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
+  /// 1 - lambda_full; masked entries 0 under the causal mask). Costs O(B H N^2)
+  /// memory; leaves the state kept for backward untouched. Same arguments and
+  /// errors as forward.
+  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV1::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<T, 4> q, k, v;
+    project(detail::module_contiguous_copy<T>(x), position_offset, q, k, v);
+    const T lambda = lambda_full();
+    Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
+    const index_t group = h / cfg_.num_kv_heads;
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = hi / group;
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, 2 * gi, cfg_.causal);
+        const Matrix<T> a2 =
+            detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, 2 * gi + 1, cfg_.causal);
+        detail::module_store_map<T>(a1 - lambda * a2, w, bi, hi);
+      }
+    return w;
   }
 
   /// Every parameter by its reference state_dict name, flattened row-major as
@@ -272,6 +372,23 @@ class MultiheadDiffAttnV1 {
     return cfg_.embed_dim / (cfg_.num_heads / cfg_.num_kv_heads);
   }
 
+  // q (B, N, 2H, d) and k (B, N, 2Hkv, d) after rope, v (B, N, Hkv, 2d), from
+  // the contiguous x (B, N, E).
+  void project(const Tensor<T, 3>& x, index_t position_offset, Tensor<T, 4>& q, Tensor<T, 4>& k,
+               Tensor<T, 4>& v) const {
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
+    q = Tensor<T, 4>({b, n, 2 * cfg_.num_heads, d_});
+    k = Tensor<T, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
+    v = Tensor<T, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), e, q.data());
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data());
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data());
+    if (cfg_.rope) {
+      apply_rope<T>(q.view(), position_offset, cfg_.rope_base);
+      apply_rope<T>(k.view(), position_offset, cfg_.rope_base);
+    }
+  }
+
   AttentionOptions options() const {
     AttentionOptions o;
     o.causal = cfg_.causal;
@@ -316,6 +433,7 @@ class MultiheadDiffAttnV1 {
   Tensor<T, 2> out_proj_;                                       // (E, E)
   Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
+  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
   int num_threads_ = 0;
   Saved saved_;
 };
@@ -335,6 +453,9 @@ class MultiheadDiffAttnV2 {
                 "MultiheadDiffAttnV2<T>: T is float or double");
 
  public:
+  using value_type = T;
+  using config_type = DiffAttnV2Config;
+
   /// Builds the layer with nn.Linear's default initialisation for all five
   /// projections, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), deterministic from `seed`.
   /// Throws diffattn::error for a bad configuration.
@@ -344,7 +465,8 @@ class MultiheadDiffAttnV2 {
         k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
-        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}) {
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
+        grads_(parameter_shapes(cfg_)) {
     detail::Rng rng(seed);
     for (Tensor<T, 2>* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_, &lambda_proj_})
       detail::module_init_linear(rng, w->data(), w->shape(0), w->shape(1));
@@ -364,8 +486,7 @@ class MultiheadDiffAttnV2 {
   /// position_offset and the kept state as in MultiheadDiffAttnV1::forward.
   Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
     constexpr const char* fn = "MultiheadDiffAttnV2::forward";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
-    const index_t hd = cfg_.head_dim;
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hd = cfg_.head_dim;
     if (x.shape(2) != e)
       detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
     if (position_offset < 0)
@@ -374,19 +495,7 @@ class MultiheadDiffAttnV2 {
 
     saved_ = Saved{};
     saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
-    saved_.q = Tensor<T, 4>({b, n, 2 * h, hd});       // (B, N, 2H, hd)
-    saved_.k = Tensor<T, 4>({b, n, hkv, hd});         // (B, N, Hkv, hd)
-    saved_.v = Tensor<T, 4>({b, n, hkv, hd});         // (B, N, Hkv, hd)
-    saved_.lambda_logit = Tensor<T, 3>({b, n, h});    // (B, N, H)
-    const T* xs = saved_.x.data();
-    detail::module_linear(xs, rows, e, q_proj_.data(), 2 * h * hd, saved_.q.data());
-    detail::module_linear(xs, rows, e, k_proj_.data(), hkv * hd, saved_.k.data());
-    detail::module_linear(xs, rows, e, v_proj_.data(), hkv * hd, saved_.v.data());
-    detail::module_linear(xs, rows, e, lambda_proj_.data(), h, saved_.lambda_logit.data());
-    if (cfg_.rope) {
-      apply_rope<T>(saved_.q.view(), position_offset, cfg_.rope_base);
-      apply_rope<T>(saved_.k.view(), position_offset, cfg_.rope_base);
-    }
+    project(saved_.x, position_offset, saved_.q, saved_.k, saved_.v, saved_.lambda_logit);
     saved_.attn = Tensor<T, 4>({b, n, h, hd});  // (B, N, H, hd)
     saved_.lse = Tensor<T, 3>({b, 2 * h, n});   // (B, 2H, N)
     AttentionOptions o;
@@ -399,6 +508,88 @@ class MultiheadDiffAttnV2 {
     saved_.position_offset = position_offset;
     saved_.valid = true;
     return y;
+  }
+
+  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides),
+  /// returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to every
+  /// gradient buffer: through o_proj, the kernel (q, k, v and, through the
+  /// sigmoid, the lambda logits into lambda_proj.weight and x), the inverse
+  /// rotary rotation and the projections. State and errors as
+  /// MultiheadDiffAttnV1::backward: a second backward after one forward adds
+  /// the same gradients again.
+  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::backward";
+    if (!saved_.valid) detail::fail(fn, "backward called before forward");
+    if (dy.shape() != saved_.x.shape())
+      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
+                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
+    const index_t hd = cfg_.head_dim;
+    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
+    if (rows == 0) return Tensor<T, 3>({b, n, e});  // no tokens: no gradient to add
+    const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
+
+    Tensor<T, 4> dattn({b, n, h, hd});  // (B, N, H, hd)
+    detail::module_linear_backward(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, g.data(),
+                                   grads_.at("o_proj.weight"), dattn.data(), false);
+    Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
+    Tensor<T, 3> dlogit({b, n, h});  // (B, N, H)
+    AttentionOptions o;
+    o.causal = cfg_.causal;
+    o.num_threads = num_threads_;
+    diff_attention_v2_backward<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn,
+                                  saved_.lse, dattn, dq.view(), dk.view(), dv.view(),
+                                  dlogit.view(), o);
+    // A rotation is orthogonal: its gradient is the inverse rotation.
+    if (cfg_.rope) {
+      apply_rope_inverse<T>(dq.view(), saved_.position_offset, cfg_.rope_base);
+      apply_rope_inverse<T>(dk.view(), saved_.position_offset, cfg_.rope_base);
+    }
+    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
+    const T* xs = saved_.x.data();
+    detail::module_linear_backward(xs, rows, e, q_proj_.data(), 2 * h * hd, dq.data(),
+                                   grads_.at("q_proj.weight"), dx.data(), false);
+    detail::module_linear_backward(xs, rows, e, k_proj_.data(), hkv * hd, dk.data(),
+                                   grads_.at("k_proj.weight"), dx.data(), true);
+    detail::module_linear_backward(xs, rows, e, v_proj_.data(), hkv * hd, dv.data(),
+                                   grads_.at("v_proj.weight"), dx.data(), true);
+    detail::module_linear_backward(xs, rows, e, lambda_proj_.data(), h, dlogit.data(),
+                                   grads_.at("lambda_proj.weight"), dx.data(), true);
+    return dx;
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened as
+  /// parameters(). The views write through; zero_grad() clears them.
+  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
+  /// Sets every gradient to zero (backward adds to them).
+  void zero_grad() { grads_.zero(); }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// W (B, H, N, N), row i of W[b, h] = A_2h[i] - sigmoid(lambda_logit[b, i, h]) A_2h+1[i]
+  /// (rows sum to 1 - lambda of their token). O(B H N^2) memory; the state kept
+  /// for backward is untouched. Same arguments and errors as forward.
+  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV2::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<T, 4> q, k, v;
+    Tensor<T, 3> logit;
+    project(detail::module_contiguous_copy<T>(x), position_offset, q, k, v, logit);
+    Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
+    const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = 2 * hi / group;
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, gi, cfg_.causal);
+        Matrix<T> a2 = detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, gi, cfg_.causal);
+        for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<T>(logit(bi, i, hi));
+        detail::module_store_map<T>(a1 - a2, w, bi, hi);
+      }
+    return w;
   }
 
   /// Every parameter by its reference state_dict name, flattened row-major:
@@ -478,6 +669,26 @@ class MultiheadDiffAttnV2 {
     return c;
   }
 
+  // q (B, N, 2H, hd) and k (B, N, Hkv, hd) after rope, v (B, N, Hkv, hd) and
+  // lambda_logit (B, N, H), from the contiguous x (B, N, E).
+  void project(const Tensor<T, 3>& x, index_t position_offset, Tensor<T, 4>& q, Tensor<T, 4>& k,
+               Tensor<T, 4>& v, Tensor<T, 3>& lambda_logit) const {
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
+    const index_t h = cfg_.num_heads, hkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
+    q = Tensor<T, 4>({b, n, 2 * h, hd});
+    k = Tensor<T, 4>({b, n, hkv, hd});
+    v = Tensor<T, 4>({b, n, hkv, hd});
+    lambda_logit = Tensor<T, 3>({b, n, h});
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, q.data());
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, k.data());
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, v.data());
+    detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, lambda_logit.data());
+    if (cfg_.rope) {
+      apply_rope<T>(q.view(), position_offset, cfg_.rope_base);
+      apply_rope<T>(k.view(), position_offset, cfg_.rope_base);
+    }
+  }
+
   std::vector<detail::ModuleParam<T>> param_list() {
     const std::map<std::string, Tensor<T, 2>*> storage = {{"q_proj.weight", &q_proj_},
                                                           {"k_proj.weight", &k_proj_},
@@ -496,6 +707,7 @@ class MultiheadDiffAttnV2 {
   Tensor<T, 2> v_proj_;       // (Hkv * hd, E)
   Tensor<T, 2> o_proj_;       // (E, H * hd)
   Tensor<T, 2> lambda_proj_;  // (H, E)
+  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
   int num_threads_ = 0;
   Saved saved_;
 };

@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "../config.hpp"
+#include "../diff_weights.hpp"
+#include "../matrix.hpp"
+#include "../softmax.hpp"
 #include "../io/safetensors.hpp"
 #include "../tensor.hpp"
 #include "format.hpp"
@@ -27,6 +30,82 @@ void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out
   Eigen::Map<const M> wm(w, out, in);
   Eigen::Map<M> ym(y, rows, out);
   ym.noalias() = xm * wm.transpose();
+}
+
+/// Backward of module_linear: dw (out, in) += dy^T x, and dx (rows, in) = dy w
+/// (or += when accumulate_dx, for an input that feeds several projections).
+/// dy is (rows, out). dx may be null when the input's gradient is not wanted.
+template <class T>
+void module_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out,
+                            const T* dy, T* dw, T* dx, bool accumulate_dx) {
+  using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Eigen::Map<const M> xm(x, rows, in);
+  Eigen::Map<const M> wm(w, out, in);
+  Eigen::Map<const M> dym(dy, rows, out);
+  Eigen::Map<M> dwm(dw, out, in);
+  dwm.noalias() += dym.transpose() * xm;
+  if (dx == nullptr) return;
+  Eigen::Map<M> dxm(dx, rows, in);
+  if (accumulate_dx)
+    dxm.noalias() += dym * wm;
+  else
+    dxm.noalias() = dym * wm;
+}
+
+/// dst[i] += src[i], i < n.
+template <class T>
+void module_add(T* dst, const T* src, index_t n) {
+  for (index_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+/// Gradient storage of a layer: one zero-initialised buffer per parameter,
+/// keyed and sized as the parameters, so that an optimizer pairs them by name.
+template <class T>
+class ModuleGrads {
+ public:
+  ModuleGrads() = default;
+  explicit ModuleGrads(const std::map<std::string, std::vector<index_t>>& shapes) {
+    for (const auto& kv : shapes) {
+      index_t n = 1;
+      for (const index_t e : kv.second) n *= e;
+      buffers_.emplace(kv.first, Tensor<T, 1>({n}));
+    }
+  }
+  /// The buffer of parameter `name` (which must exist).
+  T* at(const std::string& name) { return buffers_.at(name).data(); }
+  std::map<std::string, TensorView<T, 1>> views() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (auto& kv : buffers_) out.emplace(kv.first, kv.second.view());
+    return out;
+  }
+  void zero() {
+    for (auto& kv : buffers_) kv.second.fill(T(0));
+  }
+
+ private:
+  std::map<std::string, Tensor<T, 1>> buffers_;
+};
+
+/// softmax(s q_qh k_kh^T + mask) of batch entry b, materialised (N x M), from
+/// q (B, N, Hq, d) and k (B, M, Hk, d), s = 1/sqrt(d); for analysis.
+template <class T>
+Matrix<T> module_softmax_map(const Tensor<T, 4>& q, const Tensor<T, 4>& k, index_t b, index_t qh,
+                             index_t kh, bool causal) {
+  const index_t n = q.shape(1), m = k.shape(1), d = q.shape(3);
+  Matrix<T> qm(n, d), km(m, d);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t t = 0; t < d; ++t) qm(i, t) = q(b, i, qh, t);
+  for (index_t j = 0; j < m; ++j)
+    for (index_t t = 0; t < d; ++t) km(j, t) = k(b, j, kh, t);
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  return softmax(masked_scores<T>(qm, km, scale, causal));
+}
+
+/// Copies the map m (N x M) into w[b, h] of w (B, H, N, M).
+template <class T>
+void module_store_map(const Matrix<T>& m, Tensor<T, 4>& w, index_t b, index_t h) {
+  for (index_t i = 0; i < m.rows(); ++i)
+    for (index_t j = 0; j < m.cols(); ++j) w(b, h, i, j) = m(i, j);
 }
 
 /// A contiguous copy of x (B, N, E), any strides.
