@@ -3,6 +3,8 @@
 // Two softmax maps over the same keys are subtracted, W = A1 - lambda * A2.
 // Every row of W then sums to 1 - lambda (0.2 here) and some weights are
 // negative: neither can happen in a softmax map. The head's output is W V.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include <diffattn/diffattn.hpp>
@@ -30,6 +32,7 @@ int main() {
   std::printf("differential attention, %d tokens, head width %d, lambda %.2f\n\n", n, d, lambda);
   std::printf("W = A1 - lambda * A2:\n");
   int negative = 0;
+  double deviation = 0;  // largest |row sum - (1 - lambda)|
   for (int i = 0; i < n; ++i) {
     std::printf("  row %d:", i);
     for (int j = 0; j < n; ++j) {
@@ -37,8 +40,10 @@ int main() {
       negative += w(i, j) < 0;
     }
     std::printf("   sum %.2f\n", w.row(i).sum());
+    deviation = std::max(deviation, std::abs(static_cast<double>(w.row(i).sum()) - (1.0 - lambda)));
   }
-  std::printf("\nevery row sums to 1 - lambda = %.2f\n", 1.0f - lambda);
+  std::printf("\nevery row sums to 1 - lambda = %.2f (largest deviation %.1e)\n", 1.0f - lambda,
+              deviation);
   std::printf("%d of %d weights are negative\n\n", negative, n * n);
   std::printf("output rows O = W V (first 6 of %d features):\n", 2 * d);
   for (int i = 0; i < n; ++i) {
@@ -46,5 +51,5 @@ int main() {
     for (int j = 0; j < 6; ++j) std::printf(" %+.3f", out(i, j));
     std::printf(" ...\n");
   }
-  return 0;
+  return deviation < 1e-5 && negative > 0 ? 0 : 1;
 }
