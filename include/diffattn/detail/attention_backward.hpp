@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <vector>
 
 #include <Eigen/Core>
@@ -29,6 +28,7 @@
 #include "attention_kernel.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
+#include "parallel.hpp"
 #include "tile.hpp"
 #include "validate.hpp"
 #include "workspace.hpp"
@@ -295,31 +295,8 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
       double* parts = p.kind == AttnKind::v1 ? dlambda_parts.data() + b * p.heads + g * p.group : nullptr;
       backward_group(bp, b, g, thread_backward_workspace<T>(), parts);
     };
-    const int threads = resolve_threads(options.num_threads, tasks);
-#ifdef _OPENMP
-    if (threads > 1) {
-      std::exception_ptr failure;
-#pragma omp parallel num_threads(threads)
-      {
-#pragma omp for schedule(dynamic, 1)
-        for (index_t t = 0; t < tasks; ++t) {
-          try {
-            run_task(t);
-          } catch (...) {
-#pragma omp critical(diffattn_failure)
-            if (!failure) failure = std::current_exception();
-          }
-        }
-        thread_backward_workspace<T>().trim();
-      }
-      if (failure) std::rethrow_exception(failure);
-    } else
-#endif
-    {
-      (void)threads;
-      for (index_t t = 0; t < tasks; ++t) run_task(t);
-      thread_backward_workspace<T>().trim();
-    }
+    parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
+                   [] { thread_backward_workspace<T>().trim(); });
   }
   if (p.kind == AttnKind::v1) {
     if (bp.dlambda.shape(0) == 1) {

@@ -22,19 +22,15 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 
 #include <Eigen/Core>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "../config.hpp"
 #include "../lambda.hpp"
 #include "../options.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
+#include "parallel.hpp"
 #include "softmax.hpp"
 #include "tile.hpp"
 #include "validate.hpp"
@@ -194,19 +190,6 @@ inline std::uint64_t next_call_id() {
   return ++counter;
 }
 
-/// Threads to use: options.num_threads, else the OpenMP default; never more
-/// than there are tasks.
-inline int resolve_threads(int requested, index_t tasks) {
-#ifdef _OPENMP
-  index_t n = requested > 0 ? requested : omp_get_max_threads();
-#else
-  index_t n = 1;
-  (void)requested;
-#endif
-  n = std::min(n, tasks);
-  return static_cast<int>(std::max<index_t>(n, 1));
-}
-
 /// Runs a validated problem over (batch, head, query block) tasks. Blocks of
 /// one head are consecutive and heaviest first (the causal mask makes late
 /// blocks longer), handed out dynamically.
@@ -222,30 +205,8 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     const index_t bh = t / nblocks;
     process_block(p, bh / p.heads, bh % p.heads, blk, thread_workspace<T>(), call_id);
   };
-  const int threads = resolve_threads(options.num_threads, tasks);
-#ifdef _OPENMP
-  if (threads > 1) {
-    std::exception_ptr failure;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-      for (index_t t = 0; t < tasks; ++t) {
-        try {
-          run_task(t);
-        } catch (...) {
-#pragma omp critical(diffattn_failure)
-          if (!failure) failure = std::current_exception();
-        }
-      }
-      thread_workspace<T>().trim();
-    }
-    if (failure) std::rethrow_exception(failure);
-    return;
-  }
-#endif
-  (void)threads;
-  for (index_t t = 0; t < tasks; ++t) run_task(t);
-  thread_workspace<T>().trim();
+  parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
+                 [] { thread_workspace<T>().trim(); });
 }
 
 }  // namespace detail

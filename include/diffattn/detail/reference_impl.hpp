@@ -2,7 +2,6 @@
 // and head, the full N x M maps with Eigen, softmax, W and W V.
 #pragma once
 
-#include <exception>
 
 #include "../config.hpp"
 #include "../diff_weights.hpp"
@@ -10,6 +9,7 @@
 #include "../matrix.hpp"
 #include "../softmax.hpp"
 #include "attention_kernel.hpp"
+#include "parallel.hpp"
 #include "validate.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -73,25 +73,9 @@ template <class T>
 void reference_run(const AttentionProblem<T>& p, const AttentionOptions& options) {
   const index_t tasks = p.batch * p.heads;
   if (tasks == 0) return;
-  const int threads = resolve_threads(options.num_threads, tasks);
-#ifdef _OPENMP
-  if (threads > 1) {
-    std::exception_ptr failure;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (index_t t = 0; t < tasks; ++t) {
-      try {
-        reference_head(p, t / p.heads, t % p.heads);
-      } catch (...) {
-#pragma omp critical(diffattn_failure)
-        if (!failure) failure = std::current_exception();
-      }
-    }
-    if (failure) std::rethrow_exception(failure);
-    return;
-  }
-#endif
-  (void)threads;
-  for (index_t t = 0; t < tasks; ++t) reference_head(p, t / p.heads, t % p.heads);
+  parallel_tasks(
+      tasks, resolve_threads(options.num_threads, tasks),
+      [&](index_t t) { reference_head(p, t / p.heads, t % p.heads); }, [] {});
 }
 
 }  // namespace detail
