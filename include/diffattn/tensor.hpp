@@ -140,9 +140,10 @@ class TensorView {
     return true;
   }
 
-  /// Element access; indices are not checked (use DIFFATTN_ASSERT builds to check).
+  /// Element access. Indices are checked by DIFFATTN_ASSERT only (debug
+  /// builds, or a DIFFATTN_ASSERT the program defines), never in release.
   template <class... I>
-  T& operator()(I... idx) const noexcept {
+  T& operator()(I... idx) const {
     static_assert(sizeof...(I) == R, "TensorView::operator(): wrong number of indices");
     const index_t ii[R] = {static_cast<index_t>(idx)...};
     index_t off = 0;
@@ -239,9 +240,9 @@ class Tensor {
   operator TensorView<const T, R>() const noexcept { return view(); }    // NOLINT
 
   template <class... I>
-  T& operator()(I... idx) noexcept { return view()(idx...); }
+  T& operator()(I... idx) { return view()(idx...); }
   template <class... I>
-  const T& operator()(I... idx) const noexcept { return view()(idx...); }
+  const T& operator()(I... idx) const { return view()(idx...); }
 
   /// Sets every element to `value`.
   void fill(const T& value) noexcept { std::fill(data_.get(), data_.get() + size_, value); }
