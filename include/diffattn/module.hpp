@@ -168,7 +168,8 @@ class MultiheadDiffAttnV1 {
     rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), kNormEps, 1.0 - lambda_init_,
                 saved_.inv_rms.view());
     Tensor<T, 3> y({b, n, e});  // (B, N, E)
-    detail::module_linear(saved_.normed.data(), rows, e, out_proj_.data(), e, y.data());
+    detail::module_linear(saved_.normed.data(), rows, e, out_proj_.data(), e, y.data(),
+                          num_threads_);
     saved_.position_offset = position_offset;
     saved_.valid = true;
     return y;
@@ -193,13 +194,14 @@ class MultiheadDiffAttnV1 {
                    detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
-    if (rows == 0) return Tensor<T, 3>({b, n, e});  // no tokens: no gradient to add
+    if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
     const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
 
     Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
     detail::module_linear_backward(saved_.normed.data(), rows, e, out_proj_.data(), e, g.data(),
-                                   grads_.at("out_proj.weight"), dnormed.data(), false);
-    Tensor<T, 4> dattn({b, n, h, 2 * d_});              // (B, N, H, 2d)
+                                   grads_.at("out_proj.weight"), dnormed.data(), false,
+                                   num_threads_);
+    Tensor<T, 4> dattn({b, n, h, 2 * d_});                 // (B, N, H, 2d)
     Tensor<T, 1> dsubln({cfg_.norm_affine ? 2 * d_ : 0});  // (2d) or (0)
     rms_norm_backward<T>(saved_.attn, subln_weight_, saved_.inv_rms, dnormed, dattn.view(),
                          dsubln.view(), 1.0 - lambda_init_);
@@ -231,11 +233,11 @@ class MultiheadDiffAttnV1 {
     Tensor<T, 3> dx({b, n, e});  // (B, N, E)
     const T* xs = saved_.x.data();
     detail::module_linear_backward(xs, rows, e, q_proj_.data(), e, dq.data(),
-                                   grads_.at("q_proj.weight"), dx.data(), false);
+                                   grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
     detail::module_linear_backward(xs, rows, e, k_proj_.data(), kv_width(), dk.data(),
-                                   grads_.at("k_proj.weight"), dx.data(), true);
+                                   grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
     detail::module_linear_backward(xs, rows, e, v_proj_.data(), kv_width(), dv.data(),
-                                   grads_.at("v_proj.weight"), dx.data(), true);
+                                   grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
     return dx;
   }
 
@@ -380,9 +382,9 @@ class MultiheadDiffAttnV1 {
     q = Tensor<T, 4>({b, n, 2 * cfg_.num_heads, d_});
     k = Tensor<T, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
     v = Tensor<T, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), e, q.data());
-    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data());
-    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data());
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), e, q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data(), num_threads_);
     if (cfg_.rope) {
       apply_rope<T>(q.view(), position_offset, cfg_.rope_base);
       apply_rope<T>(k.view(), position_offset, cfg_.rope_base);
@@ -504,7 +506,8 @@ class MultiheadDiffAttnV2 {
     diff_attention_v2<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
                          saved_.lse.view(), o);
     Tensor<T, 3> y({b, n, e});  // (B, N, E)
-    detail::module_linear(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, y.data());
+    detail::module_linear(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, y.data(),
+                          num_threads_);
     saved_.position_offset = position_offset;
     saved_.valid = true;
     return y;
@@ -526,20 +529,20 @@ class MultiheadDiffAttnV2 {
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
     const index_t hd = cfg_.head_dim;
     const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
-    if (rows == 0) return Tensor<T, 3>({b, n, e});  // no tokens: no gradient to add
+    if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
     const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
 
     Tensor<T, 4> dattn({b, n, h, hd});  // (B, N, H, hd)
     detail::module_linear_backward(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, g.data(),
-                                   grads_.at("o_proj.weight"), dattn.data(), false);
+                                   grads_.at("o_proj.weight"), dattn.data(), false, num_threads_);
     Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
     Tensor<T, 3> dlogit({b, n, h});  // (B, N, H)
     AttentionOptions o;
     o.causal = cfg_.causal;
     o.num_threads = num_threads_;
     diff_attention_v2_backward<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn,
-                                  saved_.lse, dattn, dq.view(), dk.view(), dv.view(),
-                                  dlogit.view(), o);
+                                  saved_.lse, dattn, dq.view(), dk.view(), dv.view(), dlogit.view(),
+                                  o);
     // A rotation is orthogonal: its gradient is the inverse rotation.
     if (cfg_.rope) {
       apply_rope_inverse<T>(dq.view(), saved_.position_offset, cfg_.rope_base);
@@ -548,13 +551,13 @@ class MultiheadDiffAttnV2 {
     Tensor<T, 3> dx({b, n, e});  // (B, N, E)
     const T* xs = saved_.x.data();
     detail::module_linear_backward(xs, rows, e, q_proj_.data(), 2 * h * hd, dq.data(),
-                                   grads_.at("q_proj.weight"), dx.data(), false);
+                                   grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
     detail::module_linear_backward(xs, rows, e, k_proj_.data(), hkv * hd, dk.data(),
-                                   grads_.at("k_proj.weight"), dx.data(), true);
+                                   grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
     detail::module_linear_backward(xs, rows, e, v_proj_.data(), hkv * hd, dv.data(),
-                                   grads_.at("v_proj.weight"), dx.data(), true);
+                                   grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
     detail::module_linear_backward(xs, rows, e, lambda_proj_.data(), h, dlogit.data(),
-                                   grads_.at("lambda_proj.weight"), dx.data(), true);
+                                   grads_.at("lambda_proj.weight"), dx.data(), true, num_threads_);
     return dx;
   }
 
@@ -579,7 +582,7 @@ class MultiheadDiffAttnV2 {
     Tensor<T, 4> q, k, v;
     Tensor<T, 3> logit;
     project(detail::module_contiguous_copy<T>(x), position_offset, q, k, v, logit);
-    Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
+    Tensor<T, 4> w({b, h, n, n});                     // (B, H, N, N)
     const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
     for (index_t bi = 0; bi < b; ++bi)
       for (index_t hi = 0; hi < h; ++hi) {
@@ -679,10 +682,11 @@ class MultiheadDiffAttnV2 {
     k = Tensor<T, 4>({b, n, hkv, hd});
     v = Tensor<T, 4>({b, n, hkv, hd});
     lambda_logit = Tensor<T, 3>({b, n, h});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, q.data());
-    detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, k.data());
-    detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, v.data());
-    detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, lambda_logit.data());
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, k.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, v.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, lambda_logit.data(),
+                          num_threads_);
     if (cfg_.rope) {
       apply_rope<T>(q.view(), position_offset, cfg_.rope_base);
       apply_rope<T>(k.view(), position_offset, cfg_.rope_base);
@@ -702,11 +706,11 @@ class MultiheadDiffAttnV2 {
   }
 
   DiffAttnV2Config cfg_;
-  Tensor<T, 2> q_proj_;       // (2H * hd, E)
-  Tensor<T, 2> k_proj_;       // (Hkv * hd, E)
-  Tensor<T, 2> v_proj_;       // (Hkv * hd, E)
-  Tensor<T, 2> o_proj_;       // (E, H * hd)
-  Tensor<T, 2> lambda_proj_;  // (H, E)
+  Tensor<T, 2> q_proj_;           // (2H * hd, E)
+  Tensor<T, 2> k_proj_;           // (Hkv * hd, E)
+  Tensor<T, 2> v_proj_;           // (Hkv * hd, E)
+  Tensor<T, 2> o_proj_;           // (E, H * hd)
+  Tensor<T, 2> lambda_proj_;      // (H, E)
   detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
   int num_threads_ = 0;
   Saved saved_;

@@ -17,19 +17,18 @@
 #include "../io/safetensors.hpp"
 #include "../tensor.hpp"
 #include "format.hpp"
+#include "linear.hpp"
 #include "random.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// y (rows, out) = x (rows, in) w^T, w (out, in) row-major as nn.Linear.weight.
+/// y (rows, out) = x (rows, in) w^T, w (out, in) row-major as nn.Linear.weight,
+/// on `threads` threads (0: the OpenMP default).
 template <class T>
-void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y) {
-  using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Eigen::Map<const M> xm(x, rows, in);
-  Eigen::Map<const M> wm(w, out, in);
-  Eigen::Map<M> ym(y, rows, out);
-  ym.noalias() = xm * wm.transpose();
+void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y,
+                   int threads) {
+  linear<T>(x, rows, in, w, out, y, threads);
 }
 
 /// Backward of module_linear: dw (out, in) += dy^T x, and dx (rows, in) = dy w
@@ -37,19 +36,8 @@ void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out
 /// dy is (rows, out). dx may be null when the input's gradient is not wanted.
 template <class T>
 void module_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out,
-                            const T* dy, T* dw, T* dx, bool accumulate_dx) {
-  using M = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  Eigen::Map<const M> xm(x, rows, in);
-  Eigen::Map<const M> wm(w, out, in);
-  Eigen::Map<const M> dym(dy, rows, out);
-  Eigen::Map<M> dwm(dw, out, in);
-  dwm.noalias() += dym.transpose() * xm;
-  if (dx == nullptr) return;
-  Eigen::Map<M> dxm(dx, rows, in);
-  if (accumulate_dx)
-    dxm.noalias() += dym * wm;
-  else
-    dxm.noalias() = dym * wm;
+                            const T* dy, T* dw, T* dx, bool accumulate_dx, int threads) {
+  linear_backward<T>(x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);
 }
 
 /// dst[i] += src[i], i < n.
