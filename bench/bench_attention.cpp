@@ -33,13 +33,15 @@ Tensor<float, 4> random4(std::array<index_t, 4> shape, std::uint64_t seed) {
   return t;
 }
 
-double visible_pairs(index_t n) { return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1); }
+double visible_pairs(index_t n) {
+  return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
+}
 
 void set_counters(benchmark::State& state, double flops, double bytes) {
-  state.counters["GFLOPS"] =
-      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
-  state.counters["bytes"] =
-      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1024);
+  state.counters["GFLOPS"] = benchmark::Counter(
+      flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  state.counters["bytes"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::kIs1024);
 }
 
 diffattn::AttentionOptions options(const benchmark::State& state, bool fused) {
@@ -55,12 +57,15 @@ diffattn::AttentionOptions options(const benchmark::State& state, bool fused) {
 template <bool Fused>
 void v1(benchmark::State& state) {
   const index_t n = state.range(0), H = 8, d = kHeadDim;
-  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2), v = random4({1, n, H, 2 * d}, 3);
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2),
+             v = random4({1, n, H, 2 * d}, 3);
   Tensor<float, 4> out({1, n, H, 2 * d});
   const auto o = options(state, Fused);
   for (auto _ : state) {
-    if (Fused) diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
-    else diffattn::reference::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
+    if (Fused)
+      diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
+    else
+      diffattn::reference::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
     benchmark::DoNotOptimize(out.data());
   }
   set_counters(state, H * 8.0 * visible_pairs(n) * d,
@@ -70,28 +75,35 @@ void v1(benchmark::State& state) {
 template <bool Fused>
 void v2(benchmark::State& state) {
   const index_t n = state.range(0), H = 8, Hkv = 8, d = kHeadDim;
-  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, Hkv, d}, 2), v = random4({1, n, Hkv, d}, 3);
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, Hkv, d}, 2),
+             v = random4({1, n, Hkv, d}, 3);
   Tensor<float, 3> logit({1, n, H});
   Tensor<float, 4> out({1, n, H, d});
   const auto o = options(state, Fused);
   for (auto _ : state) {
-    if (Fused) diffattn::diff_attention_v2<float>(q, k, v, logit, out, o);
-    else diffattn::reference::diff_attention_v2<float>(q, k, v, logit, out, o);
+    if (Fused)
+      diffattn::diff_attention_v2<float>(q, k, v, logit, out, o);
+    else
+      diffattn::reference::diff_attention_v2<float>(q, k, v, logit, out, o);
     benchmark::DoNotOptimize(out.data());
   }
-  set_counters(state, 2 * H * 4.0 * visible_pairs(n) * d,
-               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size() + logit.size()));
+  set_counters(
+      state, 2 * H * 4.0 * visible_pairs(n) * d,
+      4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size() + logit.size()));
 }
 
 template <bool Fused>
 void plain(benchmark::State& state) {
   const index_t n = state.range(0), H = 16, d = kHeadDim;
-  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2), v = random4({1, n, H, d}, 3);
+  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2),
+             v = random4({1, n, H, d}, 3);
   Tensor<float, 4> out({1, n, H, d});
   const auto o = options(state, Fused);
   for (auto _ : state) {
-    if (Fused) diffattn::attention<float>(q, k, v, out, o);
-    else diffattn::reference::attention<float>(q, k, v, out, o);
+    if (Fused)
+      diffattn::attention<float>(q, k, v, out, o);
+    else
+      diffattn::reference::attention<float>(q, k, v, out, o);
     benchmark::DoNotOptimize(out.data());
   }
   set_counters(state, H * 4.0 * visible_pairs(n) * d,
@@ -104,7 +116,8 @@ void plain(benchmark::State& state) {
 template <bool Fused>
 void v1_backward(benchmark::State& state) {
   const index_t n = state.range(0), H = 8, d = kHeadDim;
-  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2), v = random4({1, n, H, 2 * d}, 3);
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2),
+             v = random4({1, n, H, 2 * d}, 3);
   const auto dout = random4({1, n, H, 2 * d}, 4);
   Tensor<float, 4> out({1, n, H, 2 * d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
   Tensor<float, 3> lse({1, 2 * H, n});
@@ -112,17 +125,23 @@ void v1_backward(benchmark::State& state) {
   diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
   float dlambda = 0;
   for (auto _ : state) {
-    if (Fused) diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda, o);
-    else diffattn::reference::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda, o);
+    if (Fused)
+      diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv,
+                                                  dlambda, o);
+    else
+      diffattn::reference::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk,
+                                                             dv, dlambda, o);
     benchmark::DoNotOptimize(dq.data());
   }
-  set_counters(state, 2.5 * H * 8.0 * visible_pairs(n) * d,
-               4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
+  set_counters(
+      state, 2.5 * H * 8.0 * visible_pairs(n) * d,
+      4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
 }
 
 void plain_backward(benchmark::State& state) {
   const index_t n = state.range(0), H = 16, d = kHeadDim;
-  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2), v = random4({1, n, H, d}, 3);
+  const auto q = random4({1, n, H, d}, 1), k = random4({1, n, H, d}, 2),
+             v = random4({1, n, H, d}, 3);
   const auto dout = random4({1, n, H, d}, 4);
   Tensor<float, 4> out({1, n, H, d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
   Tensor<float, 3> lse({1, H, n});
@@ -132,8 +151,9 @@ void plain_backward(benchmark::State& state) {
     diffattn::attention_backward<float>(q, k, v, out, lse, dout, dq, dk, dv, o);
     benchmark::DoNotOptimize(dq.data());
   }
-  set_counters(state, 2.5 * H * 4.0 * visible_pairs(n) * d,
-               4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
+  set_counters(
+      state, 2.5 * H * 4.0 * visible_pairs(n) * d,
+      4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
 }
 
 void BM_Fused_V1Backward(benchmark::State& s) { v1_backward<true>(s); }

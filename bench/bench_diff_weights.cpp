@@ -15,8 +15,8 @@ static void BM_Reference_DiffWeights(benchmark::State& state) {
     benchmark::DoNotOptimize(w.data());
   }
   // Two score products of n*n*d multiply-adds each.
-  state.counters["GFLOPS"] = benchmark::Counter(4.0 * n * n * d, benchmark::Counter::kIsIterationInvariantRate,
-                                                benchmark::Counter::kIs1000);
+  state.counters["GFLOPS"] = benchmark::Counter(
+      4.0 * n * n * d, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_Reference_DiffWeights)->Arg(128)->Arg(512)->Unit(benchmark::kMicrosecond);
 

@@ -65,7 +65,8 @@ Problem make_problem(index_t m, const Options& o, diffattn::detail::Rng& rng) {
   p.relevant = m / 3;
   p.k = Matrix<float>::Zero(m, d);
   for (index_t j = 0; j < m; ++j) {
-    if (j == p.relevant) p.k(j, 0) = std::sqrt(static_cast<float>(d));
+    if (j == p.relevant)
+      p.k(j, 0) = std::sqrt(static_cast<float>(d));
     else
       for (index_t c = 1; c < d; ++c) p.k(j, c) = static_cast<float>(rng.normal());
   }
@@ -123,15 +124,24 @@ bool parse(int argc, char** argv, Options& o) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const char* v = argv[i + 1];
-    if (a == "--d") o.d = std::atol(v);
-    else if (a == "--queries") o.queries = std::atol(v);
-    else if (a == "--max") o.max_m = std::atol(v);
-    else if (a == "--signal") o.signal = std::atof(v);
-    else if (a == "--noise") o.noise = std::atof(v);
-    else if (a == "--own") o.own = std::atof(v);
-    else if (a == "--lambda") o.lambda = std::atof(v);
-    else if (a == "--seed") o.seed = std::strtoull(v, nullptr, 10);
-    else return false;
+    if (a == "--d")
+      o.d = std::atol(v);
+    else if (a == "--queries")
+      o.queries = std::atol(v);
+    else if (a == "--max")
+      o.max_m = std::atol(v);
+    else if (a == "--signal")
+      o.signal = std::atof(v);
+    else if (a == "--noise")
+      o.noise = std::atof(v);
+    else if (a == "--own")
+      o.own = std::atof(v);
+    else if (a == "--lambda")
+      o.lambda = std::atof(v);
+    else if (a == "--seed")
+      o.seed = std::strtoull(v, nullptr, 10);
+    else
+      return false;
   }
   return argc % 2 == 1 && o.d >= 4 && o.queries >= 1 && o.max_m >= 1024;
 }

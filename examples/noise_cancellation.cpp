@@ -146,8 +146,10 @@ struct Measure {
 Measure measure_row(const Matrix<float>& w, index_t row, index_t target) {
   Measure m;
   for (index_t j = 0; j < w.cols(); ++j) {
-    if (j == target) m.signal += w(row, j);
-    else m.noise += std::abs(w(row, j));
+    if (j == target)
+      m.signal += w(row, j);
+    else
+      m.noise += std::abs(w(row, j));
   }
   return m;
 }
@@ -373,15 +375,24 @@ bool parse(int argc, char** argv, Options& o) {
     }
     if (!has_value) return false;
     const char* v = argv[++i];
-    if (a == "--n") o.n = std::atol(v);
-    else if (a == "--d") o.d = std::atol(v);
-    else if (a == "--signal") o.signal = std::atof(v);
-    else if (a == "--noise") o.noise = std::atof(v);
-    else if (a == "--own") o.own = std::atof(v);
-    else if (a == "--lambda") o.lambda = std::atof(v);
-    else if (a == "--seeds") o.seeds = std::atoi(v);
-    else if (a == "--seed") o.seed = std::strtoull(v, nullptr, 10);
-    else return false;
+    if (a == "--n")
+      o.n = std::atol(v);
+    else if (a == "--d")
+      o.d = std::atol(v);
+    else if (a == "--signal")
+      o.signal = std::atof(v);
+    else if (a == "--noise")
+      o.noise = std::atof(v);
+    else if (a == "--own")
+      o.own = std::atof(v);
+    else if (a == "--lambda")
+      o.lambda = std::atof(v);
+    else if (a == "--seeds")
+      o.seeds = std::atoi(v);
+    else if (a == "--seed")
+      o.seed = std::strtoull(v, nullptr, 10);
+    else
+      return false;
   }
   return o.n >= 2 && o.d >= 4 && o.seeds >= 1 && o.own >= 0 && o.noise >= 0;
 }
@@ -465,7 +476,8 @@ int main(int argc, char** argv) {
     if (x < 0)
       std::printf("  %-28s signal outweighs noise across the sweep (SNR %.2f at %.2f)\n", name,
                   snr.back(), sigmas.back());
-    else std::printf("  %-28s noise outweighs signal from noise amplitude %.2f\n", name, x);
+    else
+      std::printf("  %-28s noise outweighs signal from noise amplitude %.2f\n", name, x);
     return x;
   };
   std::printf("\ncrossover (noise mass = signal weight, SNR = 1):\n");

@@ -126,18 +126,30 @@ class Canvas {
     if (ch >= 'A' && ch <= 'Z') return letters[ch - 'A'];
     if (ch >= 'a' && ch <= 'z') return letters[ch - 'a'];
     switch (ch) {
-      case '.': return dot;
-      case ',': return comma;
-      case '-': return minus;
-      case '+': return plus;
-      case '=': return equals;
-      case '(': return lparen;
-      case ')': return rparen;
-      case '/': return slash;
-      case ':': return colon;
-      case '|': return bar;
-      case '^': return lambda;
-      default: return blank;
+      case '.':
+        return dot;
+      case ',':
+        return comma;
+      case '-':
+        return minus;
+      case '+':
+        return plus;
+      case '=':
+        return equals;
+      case '(':
+        return lparen;
+      case ')':
+        return rparen;
+      case '/':
+        return slash;
+      case ':':
+        return colon;
+      case '|':
+        return bar;
+      case '^':
+        return lambda;
+      default:
+        return blank;
     }
   }
 
@@ -193,10 +205,14 @@ class BitWriter {
 
 /// One literal/length symbol with the fixed Huffman code of RFC 1951, 3.2.6.
 inline void fixed_literal(BitWriter& w, int symbol) {
-  if (symbol < 144) w.code(0x30u + static_cast<std::uint32_t>(symbol), 8);
-  else if (symbol < 256) w.code(0x190u + static_cast<std::uint32_t>(symbol - 144), 9);
-  else if (symbol < 280) w.code(static_cast<std::uint32_t>(symbol - 256), 7);
-  else w.code(0xC0u + static_cast<std::uint32_t>(symbol - 280), 8);
+  if (symbol < 144)
+    w.code(0x30u + static_cast<std::uint32_t>(symbol), 8);
+  else if (symbol < 256)
+    w.code(0x190u + static_cast<std::uint32_t>(symbol - 144), 9);
+  else if (symbol < 280)
+    w.code(static_cast<std::uint32_t>(symbol - 256), 7);
+  else
+    w.code(0xC0u + static_cast<std::uint32_t>(symbol - 280), 8);
 }
 
 inline void fixed_match(BitWriter& w, int length, int distance) {

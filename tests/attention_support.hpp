@@ -15,7 +15,8 @@ using diffattn::Tensor;
 using diffattn::TensorView;
 
 template <class T, std::size_t R>
-Tensor<T, R> random_tensor(const std::array<index_t, R>& shape, std::uint64_t seed, double sigma = 1.0) {
+Tensor<T, R> random_tensor(const std::array<index_t, R>& shape, std::uint64_t seed,
+                           double sigma = 1.0) {
   Tensor<T, R> t(shape);
   diffattn::detail::Rng rng(seed);
   for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(sigma * rng.normal());
@@ -45,9 +46,8 @@ double rel_error(const Tensor<A, R>& a, const Tensor<B, R>& b) {
 template <class T, std::size_t R>
 bool bitwise_equal(const Tensor<T, R>& a, const Tensor<T, R>& b) {
   if (a.shape() != b.shape()) return false;
-  return std::equal(a.data(), a.data() + a.size(), b.data(), [](T x, T y) {
-    return std::memcmp(&x, &y, sizeof(T)) == 0;
-  });
+  return std::equal(a.data(), a.data() + a.size(), b.data(),
+                    [](T x, T y) { return std::memcmp(&x, &y, sizeof(T)) == 0; });
 }
 
 template <class T, std::size_t R>

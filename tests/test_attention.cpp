@@ -37,8 +37,8 @@ AttentionOptions opts(bool causal, int threads = 0) {
 // Runs V1 fused (float, double) and reference (float, double); checks the
 // contract's error bounds and the lse output.
 void check_v1(const Shape& s, bool causal, double lambda, std::uint64_t seed, double sigma = 1.0) {
-  INFO("V1 B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv << " d=" << s.d
-               << " causal=" << causal << " lambda=" << lambda << " sigma=" << sigma);
+  INFO("V1 B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv << " d="
+               << s.d << " causal=" << causal << " lambda=" << lambda << " sigma=" << sigma);
   const auto qf = random_tensor<float, 4>({s.B, s.N, 2 * s.H, s.d}, seed, sigma);
   const auto kf = random_tensor<float, 4>({s.B, s.M, 2 * s.Hkv, s.d}, seed + 1, sigma);
   const auto vf = random_tensor<float, 4>({s.B, s.M, s.Hkv, 2 * s.d}, seed + 2);
@@ -71,8 +71,8 @@ void check_v1(const Shape& s, bool causal, double lambda, std::uint64_t seed, do
 }
 
 void check_v2(const Shape& s, bool causal, std::uint64_t seed, double lambda_shift = 0) {
-  INFO("V2 B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv << " d=" << s.d
-               << " causal=" << causal << " lambda_shift=" << lambda_shift);
+  INFO("V2 B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv
+               << " d=" << s.d << " causal=" << causal << " lambda_shift=" << lambda_shift);
   const auto qf = random_tensor<float, 4>({s.B, s.N, 2 * s.H, s.d}, seed);
   const auto kf = random_tensor<float, 4>({s.B, s.M, s.Hkv, s.d}, seed + 1);
   const auto vf = random_tensor<float, 4>({s.B, s.M, s.Hkv, s.d}, seed + 2);
@@ -91,8 +91,10 @@ void check_v2(const Shape& s, bool causal, std::uint64_t seed, double lambda_shi
   REQUIRE(rel_error(fused_d, ref) < kDoubleTol);
   for (index_t i = 0; i < lse_ref.size(); ++i) {
     const double want = lse_ref.data()[i];
-    if (std::isinf(want)) REQUIRE(lse_d.data()[i] == want);
-    else REQUIRE(std::abs(lse_d.data()[i] - want) <= 1e-12 * (1 + std::abs(want)));
+    if (std::isinf(want))
+      REQUIRE(lse_d.data()[i] == want);
+    else
+      REQUIRE(std::abs(lse_d.data()[i] - want) <= 1e-12 * (1 + std::abs(want)));
   }
   const double naive_err = rel_error(naive_f, ref), fused_err = rel_error(fused_f, ref);
   INFO("float errors: fused " << fused_err << ", naive " << naive_err);
@@ -100,8 +102,8 @@ void check_v2(const Shape& s, bool causal, std::uint64_t seed, double lambda_shi
 }
 
 void check_plain(const Shape& s, bool causal, std::uint64_t seed) {
-  INFO("plain B=" << s.B << " N=" << s.N << " M=" << s.M << " Hq=" << s.H << " Hkv=" << s.Hkv << " d=" << s.d
-                  << " causal=" << causal);
+  INFO("plain B=" << s.B << " N=" << s.N << " M=" << s.M << " Hq=" << s.H << " Hkv=" << s.Hkv
+                  << " d=" << s.d << " causal=" << causal);
   const index_t dv = s.d + 3;  // value width independent of d
   const auto qf = random_tensor<float, 4>({s.B, s.N, s.H, s.d}, seed);
   const auto kf = random_tensor<float, 4>({s.B, s.M, s.Hkv, s.d}, seed + 1);
@@ -130,7 +132,8 @@ TEST_CASE("diff_attention_v1 matches the float64 reference", "[attention][v1]") 
       check_v1({1, n, n, 2, 1, 8}, causal, 0.8, seed += 10);
     }
   }
-  for (double lambda : {-0.3, 0.0, 0.8, 1.25}) check_v1({2, 19, 23, 2, 2, 5}, true, lambda, seed += 10);
+  for (double lambda : {-0.3, 0.0, 0.8, 1.25})
+    check_v1({2, 19, 23, 2, 2, 5}, true, lambda, seed += 10);
   // GQA ratios 1, 2, 4.
   for (index_t hkv : {4, 2, 1}) check_v1({1, 31, 31, 4, hkv, 16}, true, 0.5, seed += 10);
 }
@@ -212,11 +215,13 @@ TEST_CASE("V1 with one lambda per head", "[attention][v1]") {
   for (index_t h = 0; h < H; ++h) {
     diffattn::diff_attention_v1<double>(q, k, v, lambdas[h], one, opts(true));
     for (index_t i = 0; i < N; ++i)
-      for (index_t c = 0; c < 2 * d; ++c) REQUIRE(std::abs(one(0, i, h, c) - out(0, i, h, c)) < 1e-14);
+      for (index_t c = 0; c < 2 * d; ++c)
+        REQUIRE(std::abs(one(0, i, h, c) - out(0, i, h, c)) < 1e-14);
   }
 }
 
-TEST_CASE("V2 with lambda_logit -> -inf is plain attention of the first head of each pair", "[attention][v2]") {
+TEST_CASE("V2 with lambda_logit -> -inf is plain attention of the first head of each pair",
+          "[attention][v2]") {
   const index_t B = 1, N = 17, M = 17, H = 2, Hkv = 2, d = 8;
   const auto q = random_tensor<double, 4>({B, N, 2 * H, d}, 81);
   const auto k = random_tensor<double, 4>({B, M, Hkv, d}, 82);
@@ -228,7 +233,8 @@ TEST_CASE("V2 with lambda_logit -> -inf is plain attention of the first head of 
   diffattn::attention<double>(q, k, v, plain, opts(true));
   for (index_t i = 0; i < N; ++i)
     for (index_t h = 0; h < H; ++h)
-      for (index_t c = 0; c < d; ++c) REQUIRE(out(0, i, h, c) == Approx(plain(0, i, 2 * h, c)).margin(1e-14));
+      for (index_t c = 0; c < d; ++c)
+        REQUIRE(out(0, i, h, c) == Approx(plain(0, i, 2 * h, c)).margin(1e-14));
 }
 
 TEST_CASE("strided (B, H, N, D) inputs and outputs need no copy", "[attention]") {
@@ -265,7 +271,8 @@ TEST_CASE("strided (B, H, N, D) inputs and outputs need no copy", "[attention]")
                                       {40 * 2 * H * d, 2 * H * d, d, 1});
   Tensor<double, 4> o1({B, N, H, 2 * d}), o2({B, N, H, 2 * d});
   diffattn::diff_attention_v1<double>(bhnd(q), k_slice, bhnd(v), 0.8, o1, opts(true));
-  diffattn::reference::diff_attention_v1<double>(bhnd(q), contiguous(k_slice), bhnd(v), 0.8, o2, opts(true));
+  diffattn::reference::diff_attention_v1<double>(bhnd(q), contiguous(k_slice), bhnd(v), 0.8, o2,
+                                                 opts(true));
   CHECK(rel_error(o1, o2) < kDoubleTol);
 }
 
@@ -293,7 +300,8 @@ TEST_CASE("zero-sized batch, queries or keys", "[attention]") {
   Tensor<float, 3> lse({1, 2, 4});
   diffattn::diff_attention_v1<float>(q, k0, v0, 0.5f, out, lse);
   for (index_t i = 0; i < out.size(); ++i) REQUIRE(out.data()[i] == 0.0f);
-  for (index_t i = 0; i < lse.size(); ++i) REQUIRE(lse.data()[i] == -std::numeric_limits<float>::infinity());
+  for (index_t i = 0; i < lse.size(); ++i)
+    REQUIRE(lse.data()[i] == -std::numeric_limits<float>::infinity());
   const auto q0 = random_tensor<float, 4>({0, 4, 2, 8}, 114);
   const auto k = random_tensor<float, 4>({0, 5, 2, 8}, 115);
   const auto v = random_tensor<float, 4>({0, 5, 1, 16}, 116);

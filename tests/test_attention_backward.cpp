@@ -52,9 +52,12 @@ struct Problem {
 
   void forward(Tensor<T, 4>& out, Tensor<T, 3>& lse, int threads = 0) const {
     const auto o = options(threads);
-    if (kind == Kind::v1) diffattn::diff_attention_v1<T>(q, k, v, lambda, out, lse, o);
-    else if (kind == Kind::v2) diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
-    else diffattn::attention<T>(q, k, v, out, lse, o);
+    if (kind == Kind::v1)
+      diffattn::diff_attention_v1<T>(q, k, v, lambda, out, lse, o);
+    else if (kind == Kind::v2)
+      diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+    else
+      diffattn::attention<T>(q, k, v, out, lse, o);
   }
 
   struct Grads {
@@ -67,20 +70,23 @@ struct Problem {
     Tensor<T, 4> out(out_shape());
     Tensor<T, 3> lse({s.B, lse_heads(), s.N});
     forward(out, lse, threads);
-    Grads g{Tensor<T, 4>(q.shape()), Tensor<T, 4>(k.shape()), Tensor<T, 4>(v.shape()), Tensor<T, 3>(logit.shape())};
+    Grads g{Tensor<T, 4>(q.shape()), Tensor<T, 4>(k.shape()), Tensor<T, 4>(v.shape()),
+            Tensor<T, 3>(logit.shape())};
     const auto o = options(threads);
     if (kind == Kind::v1) {
       if (reference)
-        diffattn::reference::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, g.dq, g.dk, g.dv,
-                                                           g.dlambda, o);
+        diffattn::reference::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, g.dq,
+                                                           g.dk, g.dv, g.dlambda, o);
       else
-        diffattn::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, g.dq, g.dk, g.dv, g.dlambda, o);
+        diffattn::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, g.dq, g.dk, g.dv,
+                                                g.dlambda, o);
     } else if (kind == Kind::v2) {
       if (reference)
-        diffattn::reference::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, g.dq, g.dk, g.dv,
-                                                           g.dlogit, o);
+        diffattn::reference::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, g.dq,
+                                                           g.dk, g.dv, g.dlogit, o);
       else
-        diffattn::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, g.dq, g.dk, g.dv, g.dlogit, o);
+        diffattn::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, g.dq, g.dk, g.dv,
+                                                g.dlogit, o);
     } else {
       if (reference)
         diffattn::reference::attention_backward<T>(q, k, v, out, lse, dout, g.dq, g.dk, g.dv, o);
@@ -96,7 +102,8 @@ struct Problem {
     Tensor<T, 3> lse({s.B, lse_heads(), s.N});
     forward(out, lse);
     double l = 0;
-    for (index_t i = 0; i < out.size(); ++i) l += static_cast<double>(out.data()[i]) * dout.data()[i];
+    for (index_t i = 0; i < out.size(); ++i)
+      l += static_cast<double>(out.data()[i]) * dout.data()[i];
     return l;
   }
 };
@@ -117,7 +124,8 @@ Problem<T> make_problem(Kind kind, const Shape& s, bool causal, std::uint64_t se
 
 template <class U, class T>
 Problem<U> convert(const Problem<T>& p) {
-  Problem<U> u{p.kind, p.s, p.causal, cast<U>(p.q), cast<U>(p.k), cast<U>(p.v), cast<U>(p.dout), cast<U>(p.logit)};
+  Problem<U> u{p.kind,       p.s,          p.causal,        cast<U>(p.q),
+               cast<U>(p.k), cast<U>(p.v), cast<U>(p.dout), cast<U>(p.logit)};
   u.lambda = static_cast<U>(p.lambda);
   return u;
 }
@@ -142,8 +150,8 @@ double fd_error(Problem<double>& p, Tensor<double, R>& x, const Tensor<double, R
 }
 
 void check_finite_differences(Kind kind, const Shape& s, bool causal, std::uint64_t seed) {
-  INFO("kind=" << int(kind) << " B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv
-               << " d=" << s.d << " causal=" << causal);
+  INFO("kind=" << int(kind) << " B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H
+               << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal);
   Problem<double> p = make_problem<double>(kind, s, causal, seed);
   auto g = p.backward(false);
   CHECK(fd_error(p, p.q, g.dq) < 1e-6);
@@ -166,12 +174,13 @@ void check_finite_differences(Kind kind, const Shape& s, bool causal, std::uint6
   CHECK(rel_error(g.dk, r.dk) < 1e-12);
   CHECK(rel_error(g.dv, r.dv) < 1e-12);
   if (kind == Kind::v2) CHECK(rel_error(g.dlogit, r.dlogit) < 1e-12);
-  if (kind == Kind::v1) CHECK(std::abs(g.dlambda - r.dlambda) <= 1e-12 * std::max(1.0, std::abs(r.dlambda)));
+  if (kind == Kind::v1)
+    CHECK(std::abs(g.dlambda - r.dlambda) <= 1e-12 * std::max(1.0, std::abs(r.dlambda)));
 }
 
 void check_float(Kind kind, const Shape& s, bool causal, std::uint64_t seed) {
-  INFO("float kind=" << int(kind) << " N=" << s.N << " M=" << s.M << " H=" << s.H << " Hkv=" << s.Hkv
-                     << " d=" << s.d << " causal=" << causal);
+  INFO("float kind=" << int(kind) << " N=" << s.N << " M=" << s.M << " H=" << s.H
+                     << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal);
   const Problem<double> pd = make_problem<double>(kind, s, causal, seed);
   const Problem<float> pf = convert<float>(pd);
   const Problem<double> pd_rounded = convert<double>(pf);  // the float inputs, exactly
@@ -186,10 +195,12 @@ void check_float(Kind kind, const Shape& s, bool causal, std::uint64_t seed) {
   check("dq", rel_error(fused.dq, ref.dq), rel_error(naive.dq, ref.dq));
   check("dk", rel_error(fused.dk, ref.dk), rel_error(naive.dk, ref.dk));
   check("dv", rel_error(fused.dv, ref.dv), rel_error(naive.dv, ref.dv));
-  if (kind == Kind::v2) check("dlogit", rel_error(fused.dlogit, ref.dlogit), rel_error(naive.dlogit, ref.dlogit));
+  if (kind == Kind::v2)
+    check("dlogit", rel_error(fused.dlogit, ref.dlogit), rel_error(naive.dlogit, ref.dlogit));
   if (kind == Kind::v1) {
     const double scale = std::max(1.0, std::abs(ref.dlambda));
-    check("dlambda", std::abs(fused.dlambda - ref.dlambda) / scale, std::abs(naive.dlambda - ref.dlambda) / scale);
+    check("dlambda", std::abs(fused.dlambda - ref.dlambda) / scale,
+          std::abs(naive.dlambda - ref.dlambda) / scale);
   }
 }
 
@@ -201,7 +212,8 @@ TEST_CASE("V1 backward: gradients match central differences", "[backward][v1]") 
     check_finite_differences(Kind::v1, {2, 5, 5, 2, 1, 3}, causal, seed += 10);
     check_finite_differences(Kind::v1, {1, 3, 7, 2, 2, 4}, causal, seed += 10);  // N < M
   }
-  check_finite_differences(Kind::v1, {1, 7, 4, 4, 1, 2}, true, seed += 10);  // N > M: masked rows, GQA 4
+  check_finite_differences(Kind::v1, {1, 7, 4, 4, 1, 2}, true,
+                           seed += 10);  // N > M: masked rows, GQA 4
 }
 
 TEST_CASE("V2 backward: gradients match central differences", "[backward][v2]") {
@@ -250,9 +262,10 @@ TEST_CASE("V1 backward with one lambda per head", "[backward][v1]") {
   Tensor<double, 4> dq(p.q.shape()), dk(p.k.shape()), dv(p.v.shape());
   Tensor<double, 4> rq(p.q.shape()), rk(p.k.shape()), rv(p.v.shape());
   Tensor<double, 1> dl({3}), rl({3});
-  diffattn::diff_attention_v1_backward<double>(p.q, p.k, p.v, lv, out, lse, p.dout, dq, dk, dv, dl, p.options());
-  diffattn::reference::diff_attention_v1_backward<double>(p.q, p.k, p.v, lv, out, lse, p.dout, rq, rk, rv, rl,
-                                                          p.options());
+  diffattn::diff_attention_v1_backward<double>(p.q, p.k, p.v, lv, out, lse, p.dout, dq, dk, dv, dl,
+                                               p.options());
+  diffattn::reference::diff_attention_v1_backward<double>(p.q, p.k, p.v, lv, out, lse, p.dout, rq,
+                                                          rk, rv, rl, p.options());
   CHECK(rel_error(dq, rq) < 1e-12);
   CHECK(rel_error(dk, rk) < 1e-12);
   CHECK(rel_error(dv, rv) < 1e-12);
@@ -268,24 +281,36 @@ TEST_CASE("backward kernels reject bad input", "[backward][errors]") {
   float dl = 0;
   test::require_error(
       [&] {
-        diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, TensorView<const float, 3>(), p.dout,
-                                                    dq, dk, dv, dl);
+        diffattn::diff_attention_v1_backward<float>(
+            p.q, p.k, p.v, 0.6f, out, TensorView<const float, 3>(), p.dout, dq, dk, dv, dl);
       },
       {"diff_attention_v1_backward", "lse is required"});
   Tensor<float, 4> dq_bad({1, 4, 2, 5});
   test::require_error(
-      [&] { diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq_bad, dk, dv, dl); },
+      [&] {
+        diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq_bad,
+                                                    dk, dv, dl);
+      },
       {"diff_attention_v1_backward", "dq has shape (1, 4, 2, 5)", "(1, 4, 2, 4)"});
   TensorView<float, 4> dk_alias(dq.data(), dk.shape());
   test::require_error(
-      [&] { diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq, dk_alias, dv, dl); },
+      [&] {
+        diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq,
+                                                    dk_alias, dv, dl);
+      },
       {"diff_attention_v1_backward", "dq", "dk", "overlap"});
   TensorView<float, 4> dv_on_v(const_cast<float*>(p.v.data()), p.v.shape());
   test::require_error(
-      [&] { diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq, dk, dv_on_v, dl); },
+      [&] {
+        diffattn::diff_attention_v1_backward<float>(p.q, p.k, p.v, 0.6f, out, lse, p.dout, dq, dk,
+                                                    dv_on_v, dl);
+      },
       {"diff_attention_v1_backward", "dv overlaps input v"});
   Tensor<float, 4> k_bad({1, 5, 3, 4});
   test::require_error(
-      [&] { diffattn::diff_attention_v1_backward<float>(p.q, k_bad, p.v, 0.6f, out, lse, p.dout, dq, dk, dv, dl); },
+      [&] {
+        diffattn::diff_attention_v1_backward<float>(p.q, k_bad, p.v, 0.6f, out, lse, p.dout, dq, dk,
+                                                    dv, dl);
+      },
       {"diff_attention_v1_backward (forward arguments)", "k has 3 heads"});
 }

@@ -50,7 +50,7 @@ struct Case {
 }  // namespace
 
 TEST_CASE("diff_weights<double> matches the scalar float64 oracle", "[diff_weights]") {
-  const Case cases[] = {{6, 6, 8, false}, {6, 6, 8, true}, {3, 5, 4, true}, {5, 3, 4, true},
+  const Case cases[] = {{6, 6, 8, false},  {6, 6, 8, true},   {3, 5, 4, true},  {5, 3, 4, true},
                         {1, 37, 16, true}, {13, 7, 5, false}, {17, 29, 3, true}};
   std::uint64_t seed = 1;
   for (const Case& c : cases) {
@@ -62,7 +62,8 @@ TEST_CASE("diff_weights<double> matches the scalar float64 oracle", "[diff_weigh
       AttentionOptions opt;
       opt.causal = c.causal;
       const Matrix<double> w = diffattn::diff_weights(q1, k1, q2, k2, lambda, opt);
-      INFO("n=" << c.n << " m=" << c.m << " d=" << c.d << " causal=" << c.causal << " lambda=" << lambda);
+      INFO("n=" << c.n << " m=" << c.m << " d=" << c.d << " causal=" << c.causal
+                << " lambda=" << lambda);
       REQUIRE(test::max_abs_diff(w, oracle(q1, k1, q2, k2, lambda, c.causal)) < 1e-13);
     }
   }
@@ -102,11 +103,13 @@ TEST_CASE("W has negative weights; lambda = 0 gives plain softmax", "[diff_weigh
 
   const Matrix<double> w0 = diffattn::diff_weights(q1, k1, q2, k2, 0.0);
   CHECK((w0.array() < 0).count() == 0);
-  const Matrix<double> plain = diffattn::softmax(Matrix<double>(q1 * k1.transpose() / std::sqrt(8.0)));
+  const Matrix<double> plain =
+      diffattn::softmax(Matrix<double>(q1 * k1.transpose() / std::sqrt(8.0)));
   CHECK(test::max_abs_diff(w0, plain) < 1e-15);
 }
 
-TEST_CASE("causal keep/mask pattern for N = 3, M = 5 follows j <= i + (M - N)", "[diff_weights][mask]") {
+TEST_CASE("causal keep/mask pattern for N = 3, M = 5 follows j <= i + (M - N)",
+          "[diff_weights][mask]") {
   const int pattern[3][5] = {{1, 1, 1, 0, 0}, {1, 1, 1, 1, 0}, {1, 1, 1, 1, 1}};
   const Matrix<double> q = test::random_matrix<double>(3, 4, 21);
   const Matrix<double> k = test::random_matrix<double>(5, 4, 22);
@@ -143,7 +146,8 @@ TEST_CASE("fully masked rows give zeros, not NaN", "[diff_weights]") {
   CHECK(std::isfinite(l2(4)));
 }
 
-TEST_CASE("diff_weights: float stays close to the float64 map with large logits", "[diff_weights]") {
+TEST_CASE("diff_weights: float stays close to the float64 map with large logits",
+          "[diff_weights]") {
   // sigma 20 gives logits in the hundreds: a naive exp would overflow float.
   const Matrix<double> q1 = test::random_matrix<double>(7, 8, 41, 20.0);
   const Matrix<double> k1 = test::random_matrix<double>(9, 8, 42, 20.0);
@@ -171,13 +175,16 @@ TEST_CASE("diff_weights: bad input throws diffattn::error naming the shapes", "[
                       {"diff_weights", "k2", "(6, 8)", "(5, 8)"});
   test::require_error([&] { diffattn::diff_weights(empty_d, empty_k, empty_d, empty_k, 0.5f); },
                       {"diff_weights", "q1", "(3, 0)", "d must be >= 1"});
-  test::require_error([&] { diffattn::diff_weights(q, k, q, k, std::numeric_limits<float>::quiet_NaN()); },
-                      {"diff_weights", "lambda", "finite"});
-  test::require_error([&] { diffattn::diff_weights(q, k, q, k, std::numeric_limits<float>::infinity()); },
-                      {"diff_weights", "lambda", "finite"});
+  test::require_error(
+      [&] { diffattn::diff_weights(q, k, q, k, std::numeric_limits<float>::quiet_NaN()); },
+      {"diff_weights", "lambda", "finite"});
+  test::require_error(
+      [&] { diffattn::diff_weights(q, k, q, k, std::numeric_limits<float>::infinity()); },
+      {"diff_weights", "lambda", "finite"});
   AttentionOptions bad;
   bad.scale = -1;
-  test::require_error([&] { diffattn::diff_weights(q, k, q, k, 0.5f, bad); }, {"diff_weights", "scale"});
+  test::require_error([&] { diffattn::diff_weights(q, k, q, k, 0.5f, bad); },
+                      {"diff_weights", "scale"});
   // Zero queries or keys are fine: an empty result, or rows of zeros.
   const Matrix<float> q0(0, 8), k0(0, 8);
   CHECK(diffattn::diff_weights(q0, k, q0, k, 0.5f).rows() == 0);

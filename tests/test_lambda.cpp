@@ -72,7 +72,8 @@ TEST_CASE("lambda_full rejects mismatched lengths and non-finite values", "[lamb
                       {"lambda_full", "not finite"});
 }
 
-TEMPLATE_TEST_CASE("lambda_sigmoid is the logistic function without overflow", "[lambda]", float, double) {
+TEMPLATE_TEST_CASE("lambda_sigmoid is the logistic function without overflow", "[lambda]", float,
+                   double) {
   using T = TestType;
   for (double x : {-30.0, -3.0, -0.5, 0.0, 0.25, 2.0, 40.0}) {
     const double want = 1.0 / (1.0 + std::exp(-x));

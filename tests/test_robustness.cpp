@@ -52,8 +52,10 @@ TEST_CASE("NaN in an input reaches only the output rows that read it", "[robustn
     diffattn::diff_attention_v1<float>(q, k0, v0, 0.8f, out, causal_options());
     for (index_t i = 0; i < N; ++i) {
       CHECK(row_finite(out, 0, i, 1));
-      if (i == 33) CHECK(row_nan(out, 0, i, 0));
-      else CHECK(row_finite(out, 0, i, 0));
+      if (i == 33)
+        CHECK(row_nan(out, 0, i, 0));
+      else
+        CHECK(row_finite(out, 0, i, 0));
     }
   }
   SECTION("a key row: causal rows before it are untouched") {
@@ -61,8 +63,10 @@ TEST_CASE("NaN in an input reaches only the output rows that read it", "[robustn
     k(0, 40, 0, 2) = nan;  // map 1 key of kv pair 0
     diffattn::diff_attention_v1<float>(q0, k, v0, 0.8f, out, causal_options());
     for (index_t i = 0; i < N; ++i) {
-      if (i >= 40) CHECK(row_nan(out, 0, i, 0));
-      else CHECK(row_finite(out, 0, i, 0));
+      if (i >= 40)
+        CHECK(row_nan(out, 0, i, 0));
+      else
+        CHECK(row_finite(out, 0, i, 0));
     }
   }
   SECTION("a value row: causal rows before it are untouched") {
@@ -71,7 +75,8 @@ TEST_CASE("NaN in an input reaches only the output rows that read it", "[robustn
     diffattn::diff_attention_v1<float>(q0, k0, v, 0.8f, out, causal_options());
     for (index_t i = 0; i < N; ++i) {
       INFO("row " << i);
-      if (i >= 41) CHECK(std::isnan(out(0, i, 0, 5)));
+      if (i >= 41)
+        CHECK(std::isnan(out(0, i, 0, 5)));
       else {
         CHECK(row_finite(out, 0, i, 0));
         CHECK(out(0, i, 0, 5) == clean(0, i, 0, 5));
@@ -129,7 +134,8 @@ TEST_CASE("kernels are safe to call from several threads at once", "[robustness]
   for (int t = 0; t < 4; ++t)
     threads.emplace_back([&, t] {
       for (int rep = 0; rep < 5; ++rep)
-        diffattn::diff_attention_v1<float>(qs[t], ks[t], vs[t], 0.7f, got[t], causal_options(t % 2 + 1));
+        diffattn::diff_attention_v1<float>(qs[t], ks[t], vs[t], 0.7f, got[t],
+                                           causal_options(t % 2 + 1));
     });
   for (auto& th : threads) th.join();
   for (int t = 0; t < 4; ++t) CHECK(test::bitwise_equal(got[t], expect[t]));

@@ -17,13 +17,15 @@ std::vector<double> oracle_row(const std::vector<double>& x, double* lse) {
   long double s = 0;
   for (double v : x) s += std::exp(static_cast<long double>(v - m));
   std::vector<double> p(x.size());
-  for (std::size_t j = 0; j < x.size(); ++j) p[j] = static_cast<double>(std::exp(static_cast<long double>(x[j] - m)) / s);
+  for (std::size_t j = 0; j < x.size(); ++j)
+    p[j] = static_cast<double>(std::exp(static_cast<long double>(x[j] - m)) / s);
   *lse = m + static_cast<double>(std::log(s));
   return p;
 }
 }  // namespace
 
-TEMPLATE_TEST_CASE("softmax matches the float64 oracle and keeps log-sum-exp", "[softmax]", float, double) {
+TEMPLATE_TEST_CASE("softmax matches the float64 oracle and keeps log-sum-exp", "[softmax]", float,
+                   double) {
   const double tol = std::is_same<TestType, float>::value ? 2e-6 : 1e-14;
   for (int cols : {1, 2, 7, 33, 113}) {
     Matrix<TestType> x = test::random_matrix<TestType>(5, cols, 100 + cols, 3.0);
@@ -82,7 +84,7 @@ TEST_CASE("softmax: -inf is masked, fully masked rows give zeros", "[softmax]") 
 TEST_CASE("softmax: +inf shares the mass, NaN stays in its row", "[softmax]") {
   const double inf = std::numeric_limits<double>::infinity();
   Matrix<double> x(3, 3);
-  x << inf, 1.0, inf,  //
+  x << inf, 1.0, inf,          //
       0.0, std::nan(""), 1.0,  //
       0.0, 0.0, 0.0;
   const Matrix<double> p = diffattn::softmax(x);

@@ -51,14 +51,25 @@ TEST_CASE("TensorView: converts to a view of const", "[tensor]") {
 
 TEST_CASE("TensorView: bad shapes and strides throw diffattn::error", "[tensor]") {
   float f = 0;
-  test::require_error([&] { TensorView<float, 2>(&f, {2, -1}); }, {"TensorView", "negative extent", "(2, -1)"});
-  test::require_error([&] { TensorView<float, 2>(&f, {2, 2}, {-2, 1}); },
-                      {"TensorView", "negative stride", "(-2, 1)", "(2, 2)"});
+  test::require_error(
+      [&] {
+        TensorView<float, 2>(&f, {2, -1});
+      },
+      {"TensorView", "negative extent", "(2, -1)"});
+  test::require_error(
+      [&] {
+        TensorView<float, 2>(&f, {2, 2}, {-2, 1});
+      },
+      {"TensorView", "negative stride", "(-2, 1)", "(2, 2)"});
   const index_t big = index_t(1) << 40;
   test::require_error([&] { TensorView<float, 3>(&f, {big, big, 2}); }, {"TensorView", "overflow"});
-  test::require_error([&] { TensorView<float, 2>(&f, {2, 2}, {std::numeric_limits<index_t>::max(), 1}); },
-                      {"TensorView", "overflow"});
-  test::require_error([&] { TensorView<float, 1>(nullptr, {3}); }, {"TensorView", "null data", "(3)"});
+  test::require_error(
+      [&] {
+        TensorView<float, 2>(&f, {2, 2}, {std::numeric_limits<index_t>::max(), 1});
+      },
+      {"TensorView", "overflow"});
+  test::require_error([&] { TensorView<float, 1>(nullptr, {3}); },
+                      {"TensorView", "null data", "(3)"});
   // Zero extents are allowed, with or without data.
   TensorView<float, 2> empty(nullptr, {0, 5});
   CHECK(empty.empty());

@@ -58,7 +58,8 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  const detail::AttentionProblem<T> p = detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options);
+  const detail::AttentionProblem<T> p =
+      detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options);
   detail::run_attention<T>(p, options);
 }
 
@@ -73,17 +74,20 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
 /// V1 with one lambda per DIFF head: lambda (H).
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  const detail::AttentionProblem<T> p = detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options);
+  const detail::AttentionProblem<T> p =
+      detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options);
   detail::run_attention<T>(p, options);
 }
 
 /// V1 with one lambda per DIFF head, without the lse output.
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
   diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
 }
@@ -101,17 +105,20 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
 ///   out[b, i, h] = (A_2h - sigmoid(lambda_logit[b, i, h]) A_2h+1)[i] v_g
 template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  const detail::AttentionProblem<T> p = detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options);
+  const detail::AttentionProblem<T> p =
+      detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options);
   detail::run_attention<T>(p, options);
 }
 
 /// V2 without the lse output.
 template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
   diff_attention_v2<T>(q, k, v, lambda_logit, out, TensorView<T, 3>(), options);
 }

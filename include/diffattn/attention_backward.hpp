@@ -49,9 +49,9 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {}) {
-  detail::run_attention_backward(
-      detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda, options),
-      options);
+  detail::run_attention_backward(detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
+                                                        dq, dk, dv, dlambda, options),
+                                 options);
 }
 
 /// Backward of diff_attention_v2; dlambda_logit (B, N, H) is the gradient of
@@ -64,20 +64,23 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {}) {
-  detail::run_attention_backward(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv,
-                                                        dlambda_logit, options),
+  detail::run_attention_backward(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
+                                                        dk, dv, dlambda_logit, options),
                                  options);
 }
 
 /// Backward of the plain attention.
 template <class T>
-void attention_backward(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 4> out,
-                        detail::nondeduced_view<const T, 3> lse, detail::nondeduced_view<const T, 4> dout,
-                        detail::nondeduced_view<T, 4> dq, detail::nondeduced_view<T, 4> dk,
-                        detail::nondeduced_view<T, 4> dv, const AttentionOptions& options = {}) {
-  detail::run_attention_backward(detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options),
-                                 options);
+void attention_backward(detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const T, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options = {}) {
+  detail::run_attention_backward(
+      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options), options);
 }
 
 /// @}

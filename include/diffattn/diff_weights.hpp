@@ -30,7 +30,8 @@ Matrix<T> masked_scores(const MatrixRef<T>& q, const MatrixRef<T>& k, T scale, b
   if (causal) {
     const index_t n = s.rows(), m = s.cols();
     for (index_t i = 0; i < n; ++i)
-      for (index_t j = causal_key_end(i, n, m); j < m; ++j) s(i, j) = -std::numeric_limits<T>::infinity();
+      for (index_t j = causal_key_end(i, n, m); j < m; ++j)
+        s(i, j) = -std::numeric_limits<T>::infinity();
   }
   return s;
 }
@@ -63,7 +64,8 @@ Matrix<T> diff_weights(const detail::nondeduced_t<detail::MatrixRef<T>>& q1,
   constexpr const char* fn = "diff_weights";
   using detail::mat_shape;
   detail::validate_options(fn, options);
-  if (q1.cols() < 1) detail::fail(fn, "q1 has shape ", mat_shape<T>(q1), ": head width d must be >= 1");
+  if (q1.cols() < 1)
+    detail::fail(fn, "q1 has shape ", mat_shape<T>(q1), ": head width d must be >= 1");
   if (q2.rows() != q1.rows() || q2.cols() != q1.cols())
     detail::fail(fn, "q2 has shape ", mat_shape<T>(q2), ", expected (N, d) = ", mat_shape<T>(q1),
                  " like q1");

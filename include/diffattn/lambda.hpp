@@ -13,7 +13,8 @@ DIFFATTN_BEGIN_NAMESPACE
 /// from 1, has depth l - 1): 0.8 - 0.6 * exp(-0.3 * depth). Starts at 0.2 for
 /// the first layer and rises monotonically towards 0.8. Throws for depth < 0.
 inline double lambda_init(int depth) {
-  if (depth < 0) detail::fail("lambda_init", "depth must be >= 0 (0-based layer index), got ", depth);
+  if (depth < 0)
+    detail::fail("lambda_init", "depth must be >= 0 (0-based layer index), got ", depth);
   return 0.8 - 0.6 * std::exp(-0.3 * static_cast<double>(depth));
 }
 
@@ -21,7 +22,8 @@ namespace detail {
 template <class T>
 inline double dot1(const TensorView<const T, 1>& a, const TensorView<const T, 1>& b) {
   double s = 0;
-  for (index_t i = 0; i < a.shape(0); ++i) s += static_cast<double>(a(i)) * static_cast<double>(b(i));
+  for (index_t i = 0; i < a.shape(0); ++i)
+    s += static_cast<double>(a(i)) * static_cast<double>(b(i));
   return s;
 }
 }  // namespace detail

@@ -22,7 +22,8 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options), options);
+  detail::reference_run(detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options),
+                        options);
 }
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -32,14 +33,17 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
 }
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
-  detail::reference_run(detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options), options);
+  detail::reference_run(detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options),
+                        options);
 }
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
   reference::diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
 }
@@ -47,14 +51,16 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
 /// Reference of diffattn::diff_attention_v2.
 template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}) {
   detail::reference_run(detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options), options);
 }
 template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
   reference::diff_attention_v2<T>(q, k, v, lambda_logit, out, TensorView<T, 3>(), options);
 }
@@ -82,8 +88,9 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
     const AttentionOptions& options = {}) {
-  detail::reference_backward_run(detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                                                        TensorView<T, 1>(&dlambda, {1}), options));
+  detail::reference_backward_run(detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout,
+                                                        dq, dk, dv, TensorView<T, 1>(&dlambda, {1}),
+                                                        options));
 }
 /// Reference of diffattn::diff_attention_v1_backward (one lambda per head).
 template <class T>
@@ -94,8 +101,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {}) {
-  detail::reference_backward_run(
-      detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda, options));
+  detail::reference_backward_run(detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
+                                                        dq, dk, dv, dlambda, options));
 }
 /// Reference of diffattn::diff_attention_v2_backward.
 template <class T>
@@ -106,17 +113,21 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {}) {
-  detail::reference_backward_run(
-      detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv, dlambda_logit, options));
+  detail::reference_backward_run(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
+                                                        dk, dv, dlambda_logit, options));
 }
 /// Reference of diffattn::attention_backward.
 template <class T>
-void attention_backward(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                        detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 4> out,
-                        detail::nondeduced_view<const T, 3> lse, detail::nondeduced_view<const T, 4> dout,
-                        detail::nondeduced_view<T, 4> dq, detail::nondeduced_view<T, 4> dk,
-                        detail::nondeduced_view<T, 4> dv, const AttentionOptions& options = {}) {
-  detail::reference_backward_run(detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options));
+void attention_backward(detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const T, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options = {}) {
+  detail::reference_backward_run(
+      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options));
 }
 
 }  // namespace reference

@@ -104,8 +104,8 @@ class TensorView {
   }
 
   /// A view of T converts to a view of const T.
-  template <class U, class = std::enable_if_t<std::is_same<const U, T>::value &&
-                                              !std::is_same<U, T>::value>>
+  template <class U,
+            class = std::enable_if_t<std::is_same<const U, T>::value && !std::is_same<U, T>::value>>
   TensorView(const TensorView<U, R>& other) noexcept  // NOLINT: implicit on purpose
       : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
 
@@ -211,8 +211,7 @@ class Tensor {
     }
     return *this;
   }
-  Tensor(Tensor&& o) noexcept
-      : data_(std::move(o.data_)), shape_(o.shape_), size_(o.size_) {
+  Tensor(Tensor&& o) noexcept : data_(std::move(o.data_)), shape_(o.shape_), size_(o.size_) {
     o.shape_ = shape_type{};
     o.size_ = 0;
   }
@@ -236,13 +235,17 @@ class Tensor {
 
   TensorView<T, R> view() noexcept { return make_view<T>(data_.get()); }
   TensorView<const T, R> view() const noexcept { return make_view<const T>(data_.get()); }
-  operator TensorView<T, R>() noexcept { return view(); }                // NOLINT
-  operator TensorView<const T, R>() const noexcept { return view(); }    // NOLINT
+  operator TensorView<T, R>() noexcept { return view(); }              // NOLINT
+  operator TensorView<const T, R>() const noexcept { return view(); }  // NOLINT
 
   template <class... I>
-  T& operator()(I... idx) { return view()(idx...); }
+  T& operator()(I... idx) {
+    return view()(idx...);
+  }
   template <class... I>
-  const T& operator()(I... idx) const { return view()(idx...); }
+  const T& operator()(I... idx) const {
+    return view()(idx...);
+  }
 
   /// Sets every element to `value`.
   void fill(const T& value) noexcept { std::fill(data_.get(), data_.get() + size_, value); }

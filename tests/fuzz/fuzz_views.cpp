@@ -59,7 +59,8 @@ struct Buffer {
     index_t span = 1;
     for (int r = 0; r < 4; ++r) span += s[r] > 0 ? (s[r] - 1) * strides[r] : 0;
     mem.assign(static_cast<std::size_t>(std::max<index_t>(span, 1)), 0.0f);
-    for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 32.0f;
+    for (std::size_t i = 0; i < mem.size(); ++i)
+      mem[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 32.0f;
   }
   TensorView<float, 4> view() { return TensorView<float, 4>(mem.data(), shape, strides); }
 };
@@ -98,11 +99,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   opt.num_threads = 1 + (mode & 64 ? 1 : 0);
   if (mode & 128) opt.scale = static_cast<double>(in.f32());
 
-  Buffer q(in, {B, N, qh, d}, in.u8()), k(in, {B, M, kh, d}, in.u8()), v(in, {B, M, kh, vw}, in.u8());
+  Buffer q(in, {B, N, qh, d}, in.u8()), k(in, {B, M, kh, d}, in.u8()),
+      v(in, {B, M, kh, vw}, in.u8());
   Buffer out(in, {B, N, oh, ow}, in.u8());
   diffattn::Tensor<float, 3> lse({B, std::max<index_t>(qh, 0), N});
   diffattn::Tensor<float, 3> logit({B, N, oh});
-  TensorView<float, 4> out_view = alias ? TensorView<float, 4>(q.mem.data(), out.shape, out.strides) : out.view();
+  TensorView<float, 4> out_view =
+      alias ? TensorView<float, 4>(q.mem.data(), out.shape, out.strides) : out.view();
   if (alias && q.mem.size() < out.mem.size()) out_view = out.view();
   try {
     if (kind == 0) {
@@ -110,8 +113,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (backward) {
         Buffer dq(in, q.shape, 0), dk(in, k.shape, 0), dv(in, v.shape, 0);
         float dl = 0;
-        diffattn::diff_attention_v1_backward<float>(q.view(), k.view(), v.view(), lambda, out_view, lse, out.view(),
-                                                    dq.view(), dk.view(), dv.view(), dl, opt);
+        diffattn::diff_attention_v1_backward<float>(q.view(), k.view(), v.view(), lambda, out_view,
+                                                    lse, out.view(), dq.view(), dk.view(),
+                                                    dv.view(), dl, opt);
       }
     } else if (kind == 1) {
       diffattn::diff_attention_v2<float>(q.view(), k.view(), v.view(), logit, out_view, lse, opt);
@@ -119,8 +123,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       diffattn::attention<float>(q.view(), k.view(), v.view(), out_view, lse, opt);
       if (backward) {
         Buffer dq(in, q.shape, 0), dk(in, k.shape, 0), dv(in, v.shape, 0);
-        diffattn::attention_backward<float>(q.view(), k.view(), v.view(), out_view, lse, out.view(), dq.view(),
-                                            dk.view(), dv.view(), opt);
+        diffattn::attention_backward<float>(q.view(), k.view(), v.view(), out_view, lse, out.view(),
+                                            dq.view(), dk.view(), dv.view(), opt);
       }
     }
   } catch (const diffattn::error&) {

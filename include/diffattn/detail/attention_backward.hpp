@@ -38,11 +38,11 @@ namespace detail {
 
 template <class T>
 struct BackwardProblem {
-  AttentionProblem<T> fwd;        // the forward's arguments, out and lse (both read only)
-  TensorView<const T, 4> dout;    // like out
-  TensorView<T, 4> dq, dk, dv;    // like q, k, v
-  TensorView<T, 1> dlambda;       // v1: (1) for one lambda, (H) for one per head
-  TensorView<T, 3> dlambda_logit; // v2: (B, N, H)
+  AttentionProblem<T> fwd;         // the forward's arguments, out and lse (both read only)
+  TensorView<const T, 4> dout;     // like out
+  TensorView<T, 4> dq, dk, dv;     // like q, k, v
+  TensorView<T, 1> dlambda;        // v1: (1) for one lambda, (H) for one per head
+  TensorView<T, 3> dlambda_logit;  // v2: (B, N, H)
 };
 
 template <class T>
@@ -55,9 +55,9 @@ struct BackwardWorkspace {
   ScratchBuffer<T> dq;                // dQ block
 
   void trim() {
-    ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0], &kc[1], &vt,   &dkt[0], &dkt[1], &dvt,
-                               &qs[0], &qs[1], &qst[0], &qst[1], &dout, &doutt, &s[0], &s[1],
-                               &s[2],  &dq};
+    ScratchBuffer<T>* all[] = {&kt[0],  &kt[1], &kc[0], &kc[1], &vt,     &dkt[0],
+                               &dkt[1], &dvt,   &qs[0], &qs[1], &qst[0], &qst[1],
+                               &dout,   &doutt, &s[0],  &s[1],  &s[2],   &dq};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > Workspace<T>::kRetainBytes)
@@ -147,7 +147,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
       }
       T* dob = ws.dout.get(rows_pad * dv);
       for (index_t ii = 0; ii < rows; ++ii)
-        std::memcpy(dob + ii * dv, &bp.dout(b, i0 + ii, oh, 0), static_cast<std::size_t>(dv) * sizeof(T));
+        std::memcpy(dob + ii * dv, &bp.dout(b, i0 + ii, oh, 0),
+                    static_cast<std::size_t>(dv) * sizeof(T));
       std::fill(dob + rows * dv, dob + rows_pad * dv, T(0));
       T* dobt = ws.doutt.get(dvpad_mr * rows_pad);
       transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
@@ -161,8 +162,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
           for (int m = 0; m < maps; ++m)
             micro_kernel<T>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR,
                             s[m] + r * MR * lds + j0, lds, false);
-          micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + r * MR * lds + j0, lds,
-                          false);
+          micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + r * MR * lds + j0,
+                          lds, false);
         }
       }
 
@@ -173,7 +174,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
         T* rw = s[2] + ii * lds;
         ArrayMap a1(r0, n), dw(rw, n);
         const T lse1 = p.lse(b, hm.q[0], i);
-        if (lse1 == -std::numeric_limits<T>::infinity()) a1.setZero();
+        if (lse1 == -std::numeric_limits<T>::infinity())
+          a1.setZero();
         else {
           a1 -= lse1;
           a1 = a1.exp();
@@ -190,7 +192,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
           T* r1 = s[1] + ii * lds;
           ArrayMap a2(r1, n);
           const T lse2 = p.lse(b, hm.q[1], i);
-          if (lse2 == -std::numeric_limits<T>::infinity()) a2.setZero();
+          if (lse2 == -std::numeric_limits<T>::infinity())
+            a2.setZero();
           else {
             a2 -= lse2;
             a2 = a2.exp();
@@ -248,8 +251,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
                             acc + t0 * mpad + j0, mpad, true);
         }
         for (index_t t0 = 0; t0 < dvpad_mr; t0 += MR)
-          micro_kernel<T>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + j0, lds, dvt + t0 * mpad + j0,
-                          mpad, true);
+          micro_kernel<T>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + j0, lds,
+                          dvt + t0 * mpad + j0, mpad, true);
       }
     }
     if (dlambda_head) dlambda_head[oh - g * p.group] = dlambda_sum;
@@ -292,7 +295,8 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
   } else {
     auto run_task = [&](index_t t) {
       const index_t b = t / groups, g = t % groups;
-      double* parts = p.kind == AttnKind::v1 ? dlambda_parts.data() + b * p.heads + g * p.group : nullptr;
+      double* parts =
+          p.kind == AttnKind::v1 ? dlambda_parts.data() + b * p.heads + g * p.group : nullptr;
       backward_group(bp, b, g, thread_backward_workspace<T>(), parts);
     };
     parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
@@ -306,7 +310,8 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
     } else {
       for (index_t h = 0; h < p.heads; ++h) {
         double total = 0;
-        for (index_t b = 0; b < p.batch; ++b) total += dlambda_parts[static_cast<std::size_t>(b * p.heads + h)];
+        for (index_t b = 0; b < p.batch; ++b)
+          total += dlambda_parts[static_cast<std::size_t>(b * p.heads + h)];
         bp.dlambda(h) = static_cast<T>(total);
       }
     }
@@ -348,10 +353,14 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
   auto named = [](const char* name, const auto& t) {
     return Named{name, t.empty() ? 0 : t.span_begin(), t.empty() ? 0 : t.span_end()};
   };
-  const Named inputs[] = {named("q", p.q),       named("k", p.k),
-                          named("v", p.v),       named("out", p.out),
-                          named("lse", p.lse),   named("dout", bp.dout),
-                          named("lambda", p.lambda_heads), named("lambda_logit", p.lambda_logit)};
+  const Named inputs[] = {named("q", p.q),
+                          named("k", p.k),
+                          named("v", p.v),
+                          named("out", p.out),
+                          named("lse", p.lse),
+                          named("dout", bp.dout),
+                          named("lambda", p.lambda_heads),
+                          named("lambda_logit", p.lambda_logit)};
   const Named outputs[] = {named("dq", bp.dq), named("dk", bp.dk), named("dv", bp.dv),
                            named("dlambda", bp.dlambda), named("dlambda_logit", bp.dlambda_logit)};
   auto overlap = [](const Named& a, const Named& b) {
@@ -361,7 +370,8 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
     for (const Named& i : inputs)
       if (overlap(o, i)) fail(fn, "gradient ", o.name, " overlaps input ", i.name, " in memory");
     for (const Named& o2 : outputs)
-      if (&o2 < &o && overlap(o, o2)) fail(fn, "gradients ", o2.name, " and ", o.name, " overlap in memory");
+      if (&o2 < &o && overlap(o, o2))
+        fail(fn, "gradients ", o2.name, " and ", o.name, " overlap in memory");
   }
 }
 
@@ -376,11 +386,13 @@ auto forward_checks(const char* fn, F&& f) -> decltype(f()) {
 }
 
 template <class T>
-BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
-                               const T* lambda, const TensorView<const T, 1>* lambda_heads,
+BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, const T* lambda,
+                               const TensorView<const T, 1>* lambda_heads,
                                TensorView<const T, 4> out, TensorView<const T, 3> lse,
-                               TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
-                               TensorView<T, 4> dv, TensorView<T, 1> dlambda, const AttentionOptions& options) {
+                               TensorView<const T, 4> dout, TensorView<T, 4> dq,
+                               TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
+                               const AttentionOptions& options) {
   constexpr const char* fn = "diff_attention_v1_backward";
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
@@ -397,11 +409,12 @@ BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> 
 }
 
 template <class T>
-BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
-                               TensorView<const T, 3> lambda_logit, TensorView<const T, 4> out,
-                               TensorView<const T, 3> lse, TensorView<const T, 4> dout, TensorView<T, 4> dq,
-                               TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 3> dlambda_logit,
-                               const AttentionOptions& options) {
+BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                               TensorView<const T, 4> v, TensorView<const T, 3> lambda_logit,
+                               TensorView<const T, 4> out, TensorView<const T, 3> lse,
+                               TensorView<const T, 4> dout, TensorView<T, 4> dq,
+                               TensorView<T, 4> dk, TensorView<T, 4> dv,
+                               TensorView<T, 3> dlambda_logit, const AttentionOptions& options) {
   constexpr const char* fn = "diff_attention_v2_backward";
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
@@ -418,13 +431,15 @@ BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> 
 }
 
 template <class T>
-BackwardProblem<T> backward_plain(TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
-                                  TensorView<const T, 4> out, TensorView<const T, 3> lse,
-                                  TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
-                                  TensorView<T, 4> dv, const AttentionOptions& options) {
+BackwardProblem<T> backward_plain(TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                  TensorView<const T, 4> v, TensorView<const T, 4> out,
+                                  TensorView<const T, 3> lse, TensorView<const T, 4> dout,
+                                  TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                  const AttentionOptions& options) {
   constexpr const char* fn = "attention_backward";
   BackwardProblem<T> bp;
-  bp.fwd = forward_checks(fn, [&] { return validate_plain<T>(q, k, v, unconst(out), unconst(lse), options); });
+  bp.fwd = forward_checks(
+      fn, [&] { return validate_plain<T>(q, k, v, unconst(out), unconst(lse), options); });
   bp.dout = dout;
   bp.dq = dq;
   bp.dk = dk;

@@ -41,19 +41,22 @@ namespace detail {
 
 /// Head indices of one task.
 struct HeadMap {
-  index_t q[2];  // query head of each map
-  index_t k[2];  // key head of each map
-  index_t v;     // value head
-  index_t group; // kv group, the cache key of the packed keys
+  index_t q[2];   // query head of each map
+  index_t k[2];   // key head of each map
+  index_t v;      // value head
+  index_t group;  // kv group, the cache key of the packed keys
 };
 
 template <class T>
 HeadMap head_map(const AttentionProblem<T>& p, index_t oh) {
   const index_t g = oh / p.group;
   switch (p.kind) {
-    case AttnKind::v1: return {{2 * oh, 2 * oh + 1}, {2 * g, 2 * g + 1}, g, g};
-    case AttnKind::v2: return {{2 * oh, 2 * oh + 1}, {g, g}, g, g};
-    default: return {{oh, oh}, {g, g}, g, g};
+    case AttnKind::v1:
+      return {{2 * oh, 2 * oh + 1}, {2 * g, 2 * g + 1}, g, g};
+    case AttnKind::v2:
+      return {{2 * oh, 2 * oh + 1}, {g, g}, g, g};
+    default:
+      return {{oh, oh}, {g, g}, g, g};
   }
 }
 
@@ -65,8 +68,8 @@ T row_lambda(const AttentionProblem<T>& p, index_t b, index_t i, index_t oh) {
 }
 
 template <class T>
-void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t blk, Workspace<T>& ws,
-                   std::uint64_t call_id) {
+void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t blk,
+                   Workspace<T>& ws, std::uint64_t call_id) {
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
@@ -100,8 +103,8 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
 
   // 2. Key panels, reused while the same (call, batch, kv group) holds enough keys.
   const int kbufs = shared_k ? 1 : 2;
-  const bool cached = ws.packed_call == call_id && ws.packed_batch == b && ws.packed_group == hm.group &&
-                      ws.packed_keys >= kend_block;
+  const bool cached = ws.packed_call == call_id && ws.packed_batch == b &&
+                      ws.packed_group == hm.group && ws.packed_keys >= kend_block;
   if (!cached && kend_block > 0) {
     for (int m = 0; m < kbufs; ++m)
       pack_rows_transposed(&p.k(b, 0, hm.k[m], 0), p.k.stride(1), kend_block, d,
@@ -165,7 +168,8 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
       const T* a = s[0] + r * MR * lds + j0;
       if (shared_end > j0)
         for (index_t c0 = 0; c0 < dvp; c0 += NR)
-          micro_kernel<T>(shared_end - j0, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp, true);
+          micro_kernel<T>(shared_end - j0, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp,
+                          true);
       for (index_t j = std::max(j0, shared_end); j < std::min(j1, te); ++j) {
         for (index_t ii = r * MR; ii < std::min(r * MR + MR, rows); ++ii) {
           if (j >= kend(ii)) continue;

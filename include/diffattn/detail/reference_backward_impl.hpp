@@ -33,9 +33,9 @@ void reference_backward_run(const BackwardProblem<T>& bp) {
   for (index_t b = 0; b < p.batch; ++b) {
     for (index_t oh = 0; oh < p.heads; ++oh) {
       const HeadMap hm = head_map(p, oh);
-      const Matrix<T> dout = gather_head(bp.dout, b, oh);         // (N, dv)
-      const Matrix<T> v = gather_head(p.v, b, hm.v);              // (M, dv)
-      const Matrix<T> dw = dout * v.transpose();                  // (N, M)
+      const Matrix<T> dout = gather_head(bp.dout, b, oh);  // (N, dv)
+      const Matrix<T> v = gather_head(p.v, b, hm.v);       // (M, dv)
+      const Matrix<T> dw = dout * v.transpose();           // (N, M)
       Matrix<T> q[2], k[2], a[2];
       for (int m = 0; m < p.maps(); ++m) {
         q[m] = gather_head(p.q, b, hm.q[m]);

@@ -2,7 +2,6 @@
 // and head, the full N x M maps with Eigen, softmax, W and W V.
 #pragma once
 
-
 #include "../config.hpp"
 #include "../diff_weights.hpp"
 #include "../lambda.hpp"
@@ -33,21 +32,26 @@ void reference_head(const AttentionProblem<T>& p, index_t b, index_t oh) {
       Vector<T> lse[2];
       index_t qhead[2] = {oh, oh};
       if (p.kind == AttnKind::plain) {
-        const Matrix<T> s = masked_scores<T>(gather_head(p.q, b, oh), gather_head(p.k, b, g), p.scale, p.causal);
+        const Matrix<T> s =
+            masked_scores<T>(gather_head(p.q, b, oh), gather_head(p.k, b, g), p.scale, p.causal);
         w = softmax(s, &lse[0]);
       } else {
         qhead[0] = 2 * oh;
         qhead[1] = 2 * oh + 1;
         const index_t k1 = p.kind == AttnKind::v1 ? 2 * g : g;
         const index_t k2 = p.kind == AttnKind::v1 ? 2 * g + 1 : g;
-        const Matrix<T> a1 = softmax(
-            masked_scores<T>(gather_head(p.q, b, qhead[0]), gather_head(p.k, b, k1), p.scale, p.causal), &lse[0]);
-        const Matrix<T> a2 = softmax(
-            masked_scores<T>(gather_head(p.q, b, qhead[1]), gather_head(p.k, b, k2), p.scale, p.causal), &lse[1]);
+        const Matrix<T> a1 = softmax(masked_scores<T>(gather_head(p.q, b, qhead[0]),
+                                                      gather_head(p.k, b, k1), p.scale, p.causal),
+                                     &lse[0]);
+        const Matrix<T> a2 = softmax(masked_scores<T>(gather_head(p.q, b, qhead[1]),
+                                                      gather_head(p.k, b, k2), p.scale, p.causal),
+                                     &lse[1]);
         Vector<T> lambda(N);
         for (index_t i = 0; i < N; ++i) {
-          if (p.kind == AttnKind::v2) lambda(i) = lambda_sigmoid<T>(p.lambda_logit(b, i, oh));
-          else lambda(i) = p.lambda_heads.empty() ? p.lambda_scalar : p.lambda_heads(oh);
+          if (p.kind == AttnKind::v2)
+            lambda(i) = lambda_sigmoid<T>(p.lambda_logit(b, i, oh));
+          else
+            lambda(i) = p.lambda_heads.empty() ? p.lambda_scalar : p.lambda_heads(oh);
         }
         w = a1 - lambda.asDiagonal() * a2;
       }
@@ -56,7 +60,8 @@ void reference_head(const AttentionProblem<T>& p, index_t b, index_t oh) {
       const Matrix<T> v = gather_head(p.v, b, g);  // (M, dv)
       for (index_t i = 0; i < N; ++i) {
         const index_t n = key_end(p.causal, i, N, M);
-        Eigen::Matrix<T, 1, Eigen::Dynamic> o = Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(p.value_dim);
+        Eigen::Matrix<T, 1, Eigen::Dynamic> o =
+            Eigen::Matrix<T, 1, Eigen::Dynamic>::Zero(p.value_dim);
         if (n > 0) o.noalias() = w.row(i).head(n) * v.topRows(n);
         for (index_t c = 0; c < p.value_dim; ++c) p.out(b, i, oh, c) = o(c);
       }

@@ -26,7 +26,7 @@ struct AttentionProblem {
   AttnKind kind = AttnKind::plain;
   TensorView<const T, 4> q, k, v;
   TensorView<T, 4> out;
-  TensorView<T, 3> lse;  // (B, query heads, N); empty: not wanted
+  TensorView<T, 3> lse;                 // (B, query heads, N); empty: not wanted
   TensorView<const T, 1> lambda_heads;  // v1, (H); empty: lambda_scalar for all heads
   TensorView<const T, 3> lambda_logit;  // v2, (B, N, H)
   T lambda_scalar = T(0);
@@ -59,7 +59,8 @@ template <class V>
 void check_shape(const char* fn, const char* name, const V& t, const typename V::shape_type& want,
                  const char* layout) {
   if (t.shape() != want)
-    fail(fn, name, " has shape ", shape_str(t.shape()), ", expected ", layout, " = ", shape_str(want));
+    fail(fn, name, " has shape ", shape_str(t.shape()), ", expected ", layout, " = ",
+         shape_str(want));
 }
 
 /// Checks shared by all kernels; fills the extents that q, k and v fix.
@@ -103,7 +104,8 @@ void check_outputs(const char* fn, const AttentionProblem<T>& p, const char* lam
            shape_str(ins[i]->shape()), " in memory");
   }
   if (ranges_overlap(p.out, p.lse))
-    fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps out ", shape_str(p.out.shape()), " in memory");
+    fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps out ", shape_str(p.out.shape()),
+         " in memory");
   if (ranges_overlap(p.out, p.lambda_heads) || ranges_overlap(p.out, p.lambda_logit))
     fail(fn, "out ", shape_str(p.out.shape()), " overlaps ", lambda_name, " in memory");
   if (ranges_overlap(p.lse, p.lambda_heads) || ranges_overlap(p.lse, p.lambda_logit))
@@ -152,7 +154,8 @@ AttentionProblem<T> validate_v1(TensorView<const T, 4> q, TensorView<const T, 4>
       if (!std::isfinite(static_cast<double>(p.lambda_heads(h))))
         fail(fn, "lambda must be finite, got lambda[", h, "] = ", p.lambda_heads(h));
   } else {
-    if (!std::isfinite(static_cast<double>(*lambda))) fail(fn, "lambda must be finite, got ", *lambda);
+    if (!std::isfinite(static_cast<double>(*lambda)))
+      fail(fn, "lambda must be finite, got ", *lambda);
     p.lambda_scalar = *lambda;
   }
   check_outputs(fn, p, "lambda");
@@ -183,8 +186,8 @@ AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4>
     fail(fn, "k has ", Hkv, " heads, expected Hkv dividing the 2H = ", qh, " query heads (q ",
          shape_str(q.shape()), ", k ", shape_str(k.shape()), ")");
   if ((qh / Hkv) % 2 != 0)
-    fail(fn, "a DIFF pair would straddle two GQA groups: 2H / Hkv = ", qh, " / ", Hkv, " = ", qh / Hkv,
-         " query heads per kv head must be even (q ", shape_str(q.shape()), ", k ",
+    fail(fn, "a DIFF pair would straddle two GQA groups: 2H / Hkv = ", qh, " / ", Hkv, " = ",
+         qh / Hkv, " query heads per kv head must be even (q ", shape_str(q.shape()), ", k ",
          shape_str(k.shape()), ")");
   if (v.shape(2) != Hkv)
     fail(fn, "v has shape ", shape_str(v.shape()), ", expected ", Hkv, " heads like k ",

@@ -47,11 +47,11 @@ template <class T>
 struct Workspace {
   static constexpr std::size_t kRetainBytes = std::size_t(32) << 20;
 
-  ScratchBuffer<T> q[2];   // scaled query block of each map      (kBlockM, d)
-  ScratchBuffer<T> k[2];   // key panels of each map              (keys, d) packed
-  ScratchBuffer<T> s[2];   // score rows; s[0] becomes W          (kBlockM, keys)
-  ScratchBuffer<T> v;      // value chunk in column panels        (kBlockN, dv)
-  ScratchBuffer<T> o;      // output accumulator                  (kBlockM, dv)
+  ScratchBuffer<T> q[2];  // scaled query block of each map      (kBlockM, d)
+  ScratchBuffer<T> k[2];  // key panels of each map              (keys, d) packed
+  ScratchBuffer<T> s[2];  // score rows; s[0] becomes W          (kBlockM, keys)
+  ScratchBuffer<T> v;     // value chunk in column panels        (kBlockN, dv)
+  ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
 
   // Which keys k[] holds, so consecutive blocks of one head skip repacking.
   std::uint64_t packed_call = 0;
