@@ -132,7 +132,8 @@ class MultiheadDiffAttnV1 {
   T lambda_full() const {
     return diffattn::lambda_full<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
   }
-  /// Threads of the attention kernel (0: the OpenMP default).
+  /// Threads of the attention kernel and the projections (0: the OpenMP
+  /// default); results are bitwise identical for any count.
   void set_num_threads(int n) {
     if (n < 0) detail::fail("MultiheadDiffAttnV1::set_num_threads", "n must be >= 0, got ", n);
     num_threads_ = n;
@@ -478,7 +479,8 @@ class MultiheadDiffAttnV2 {
   const DiffAttnV2Config& config() const noexcept { return cfg_; }
   /// Width of every query, key and value head.
   index_t head_dim() const noexcept { return cfg_.head_dim; }
-  /// Threads of the attention kernel (0: the OpenMP default).
+  /// Threads of the attention kernel and the projections (0: the OpenMP
+  /// default); results are bitwise identical for any count.
   void set_num_threads(int n) {
     if (n < 0) detail::fail("MultiheadDiffAttnV2::set_num_threads", "n must be >= 0, got ", n);
     num_threads_ = n;
