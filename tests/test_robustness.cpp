@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 #include <diffattn/attention.hpp>
+#include <diffattn/module.hpp>
 #include <diffattn/reference.hpp>
 
 #include "attention_support.hpp"
@@ -139,4 +140,29 @@ TEST_CASE("kernels are safe to call from several threads at once", "[robustness]
     });
   for (auto& th : threads) th.join();
   for (int t = 0; t < 4; ++t) CHECK(test::bitwise_equal(got[t], expect[t]));
+}
+
+TEST_CASE("layers: forward and gradients bitwise identical for 1 and 2 threads",
+          "[robustness][threads]") {
+  diffattn::DiffAttnV1Config c;
+  c.embed_dim = 64;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  const auto x = random_tensor<float, 3>({2, 130, 64}, 31);  // 260 rows: the packed product path
+  const auto dy = random_tensor<float, 3>({2, 130, 64}, 32);
+  diffattn::MultiheadDiffAttnV1<float> a(c, 5), b(c, 5);
+  a.set_num_threads(1);
+  b.set_num_threads(2);
+  const Tensor<float, 3> ya = a.forward(x), yb = b.forward(x);
+  CHECK(test::bitwise_equal(ya, yb));
+  const Tensor<float, 3> dxa = a.backward(dy), dxb = b.backward(dy);
+  CHECK(test::bitwise_equal(dxa, dxb));
+  const auto ga = a.gradients(), gb = b.gradients();
+  for (const auto& kv : ga) {
+    const auto& other = gb.at(kv.first);
+    bool same = true;
+    for (index_t i = 0; i < kv.second.size(); ++i) same = same && kv.second(i) == other(i);
+    INFO(kv.first);
+    CHECK(same);
+  }
 }
