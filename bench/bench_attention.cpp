@@ -156,6 +156,29 @@ void plain_backward(benchmark::State& state) {
       4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
 }
 
+// Decoding: one new query against M cached keys; bytes counts the K and V read.
+template <bool Diff>
+void decode(benchmark::State& state) {
+  const index_t m = state.range(0), H = 8, d = kHeadDim;
+  const index_t qh = 2 * H, kh = Diff ? 2 * H : 2 * H, vh = Diff ? H : 2 * H, vw = Diff ? 2 * d : d;
+  const auto q = random4({1, 1, qh, d}, 1), k = random4({1, m, kh, d}, 2),
+             v = random4({1, m, vh, vw}, 3);
+  Tensor<float, 4> out({1, 1, Diff ? H : qh, vw});
+  const auto o = options(state, true);
+  for (auto _ : state) {
+    if (Diff)
+      diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, o);
+    else
+      diffattn::attention<float>(q, k, v, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(state, H * 8.0 * static_cast<double>(m) * d,
+               4.0 * static_cast<double>(k.size() + v.size()));
+}
+
+void BM_Fused_V1Decode(benchmark::State& s) { decode<true>(s); }
+void BM_Fused_PlainDecode(benchmark::State& s) { decode<false>(s); }
+
 void BM_Fused_V1Backward(benchmark::State& s) { v1_backward<true>(s); }
 void BM_Reference_V1Backward(benchmark::State& s) { v1_backward<false>(s); }
 void BM_Fused_PlainBackward(benchmark::State& s) { plain_backward(s); }
@@ -209,6 +232,8 @@ BENCHMARK(BM_Fused_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 
 BENCHMARK(BM_Reference_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
+BENCHMARK(BM_Fused_V1Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
+BENCHMARK(BM_Fused_PlainDecode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });

@@ -146,6 +146,8 @@ TEST_CASE("diff_attention_v1: decoding, N > M and large logits", "[attention][v1
   }
   // N > M with the causal mask: the first N - M rows see nothing and give zeros.
   check_v1({1, 40, 9, 1, 1, 4}, true, 0.6, seed += 10);
+  check_v1({1, 4, 2, 2, 1, 4}, true, 0.6, seed += 10);    // a block of < 6 rows, two masked
+  check_v1({1, 65, 65, 1, 1, 8}, true, 0.8, seed += 10);  // last block of 5 rows
   // Logits in the hundreds: exp would overflow without the max shift.
   check_v1({1, 17, 21, 1, 1, 8}, true, 0.8, seed += 10, 12.0);
 }

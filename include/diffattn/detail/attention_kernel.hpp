@@ -67,7 +67,42 @@ T row_lambda(const AttentionProblem<T>& p, index_t b, index_t i, index_t oh) {
   return p.lambda_scalar;
 }
 
+/// Scores of a block of fewer than kMR queries, from K rows in place:
+/// s[ii, j] = q_ii . k_j (q already scaled) for the keys row ii sees.
 template <class T>
+void direct_scores(const AttentionProblem<T>& p, index_t b, index_t khead, index_t i0, index_t rows,
+                   const T* q, T* s, index_t lds) {
+  using RowMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+  const index_t N = p.seqlen_q, M = p.seqlen_k, d = p.head_dim;
+  const index_t kend_block = key_end(p.causal, i0 + rows - 1, N, M);
+  for (index_t j = 0; j < kend_block; ++j) {
+    const RowMap krow(&p.k(b, j, khead, 0), d);
+    for (index_t ii = 0; ii < rows; ++ii)
+      if (j < key_end(p.causal, i0 + ii, N, M)) s[ii * lds + j] = RowMap(q + ii * d, d).dot(krow);
+  }
+}
+
+/// o[ii] += sum_j w[ii, j] v_j over the keys row ii sees, V rows in place.
+template <class T>
+void direct_output(const AttentionProblem<T>& p, index_t b, index_t vhead, index_t i0, index_t rows,
+                   const T* w, index_t lds, T* o, index_t ldo) {
+  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+  const index_t N = p.seqlen_q, M = p.seqlen_k, dv = p.value_dim;
+  const index_t kend_block = key_end(p.causal, i0 + rows - 1, N, M);
+  for (index_t j = 0; j < kend_block; ++j) {
+    const ConstArrayMap vrow(&p.v(b, j, vhead, 0), dv);
+    for (index_t ii = 0; ii < rows; ++ii)
+      if (j < key_end(p.causal, i0 + ii, N, M))
+        ArrayMap(o + ii * ldo, dv) += w[ii * lds + j] * vrow;
+  }
+}
+
+/// One task. Direct: a block of fewer than kMR queries (decoding) reads K and
+/// V rows in place, since packing them would cost more than the products,
+/// which are memory-bound then. A template flag, so that the tiled path's code
+/// is the same as if the direct one did not exist.
+template <class T, bool Direct>
 void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t blk,
                    Workspace<T>& ws, std::uint64_t call_id) {
   using Cfg = TileConfig<T>;
@@ -105,7 +140,7 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
   const int kbufs = shared_k ? 1 : 2;
   const bool cached = ws.packed_call == call_id && ws.packed_batch == b &&
                       ws.packed_group == hm.group && ws.packed_keys >= kend_block;
-  if (!cached && kend_block > 0) {
+  if (!Direct && !cached && kend_block > 0) {
     for (int m = 0; m < kbufs; ++m)
       pack_rows_transposed(&p.k(b, 0, hm.k[m], 0), p.k.stride(1), kend_block, d,
                            ws.k[m].get(lds * d));
@@ -119,6 +154,10 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
   T* s[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) {
     s[m] = ws.s[m].get(rows_pad * lds);
+    if constexpr (Direct) {
+      direct_scores(p, b, hm.k[m], i0, rows, qs[m], s[m], lds);
+      continue;
+    }
     const T* kp = ws.k[shared_k ? 0 : m].get(0);
     for (index_t j0 = 0; j0 < kend_block; j0 += NR) {
       const T* panel = kp + j0 * d;
@@ -153,31 +192,35 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
   const index_t dvp = round_up(dv, NR);
   T* o = ws.o.get(rows_pad * dvp);
   std::fill(o, o + rows_pad * dvp, T(0));
-  for (index_t j0 = 0; j0 < kend_block; j0 += BN) {
-    const index_t j1 = std::min(j0 + BN, kend_block), kc = j1 - j0;
-    T* vp = ws.v.get(BN * dvp);
-    pack_cols(&p.v(b, j0, hm.v, 0), p.v.stride(1), kc, dv, vp);
-    for (index_t r = 0; r < tiles; ++r) {
-      const index_t te = tile_end(r);
-      if (te <= j0) continue;
-      // Keys every row of the tile sees go through the micro-kernel; the few
-      // (< kMR) that only its later rows see are added row by row, so that a
-      // non-finite value row never meets a masked (zero) weight: NaN stays in
-      // the rows that see it.
-      const index_t shared_end = std::min(j1, kend(r * MR));
-      const T* a = s[0] + r * MR * lds + j0;
-      if (shared_end > j0)
-        for (index_t c0 = 0; c0 < dvp; c0 += NR)
-          micro_kernel<T>(shared_end - j0, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp,
-                          true);
-      for (index_t j = std::max(j0, shared_end); j < std::min(j1, te); ++j) {
-        for (index_t ii = r * MR; ii < std::min(r * MR + MR, rows); ++ii) {
-          if (j >= kend(ii)) continue;
-          const T wij = s[0][ii * lds + j];
-          T* orow = o + ii * dvp;
-          for (index_t c0 = 0; c0 < dvp; c0 += NR) {
-            const T* vrow = vp + c0 * kc + (j - j0) * NR;
-            for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
+  if constexpr (Direct) {
+    direct_output(p, b, hm.v, i0, rows, s[0], lds, o, dvp);
+  } else {
+    for (index_t j0 = 0; j0 < kend_block; j0 += BN) {
+      const index_t j1 = std::min(j0 + BN, kend_block), kc = j1 - j0;
+      T* vp = ws.v.get(BN * dvp);
+      pack_cols(&p.v(b, j0, hm.v, 0), p.v.stride(1), kc, dv, vp);
+      for (index_t r = 0; r < tiles; ++r) {
+        const index_t te = tile_end(r);
+        if (te <= j0) continue;
+        // Keys every row of the tile sees go through the micro-kernel; the few
+        // (< kMR) that only its later rows see are added row by row, so that a
+        // non-finite value row never meets a masked (zero) weight: NaN stays in
+        // the rows that see it.
+        const index_t shared_end = std::min(j1, kend(r * MR));
+        const T* a = s[0] + r * MR * lds + j0;
+        if (shared_end > j0)
+          for (index_t c0 = 0; c0 < dvp; c0 += NR)
+            micro_kernel<T>(shared_end - j0, a, lds, vp + c0 * kc, NR, o + r * MR * dvp + c0, dvp,
+                            true);
+        for (index_t j = std::max(j0, shared_end); j < std::min(j1, te); ++j) {
+          for (index_t ii = r * MR; ii < std::min(r * MR + MR, rows); ++ii) {
+            if (j >= kend(ii)) continue;
+            const T wij = s[0][ii * lds + j];
+            T* orow = o + ii * dvp;
+            for (index_t c0 = 0; c0 < dvp; c0 += NR) {
+              const T* vrow = vp + c0 * kc + (j - j0) * NR;
+              for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
+            }
           }
         }
       }
@@ -207,7 +250,11 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
   auto run_task = [&](index_t t) {
     const index_t blk = nblocks - 1 - t % nblocks;
     const index_t bh = t / nblocks;
-    process_block(p, bh / p.heads, bh % p.heads, blk, thread_workspace<T>(), call_id);
+    const index_t rows = std::min(bm, p.seqlen_q - blk * bm);
+    if (rows < TileConfig<T>::kMR)
+      process_block<T, true>(p, bh / p.heads, bh % p.heads, blk, thread_workspace<T>(), call_id);
+    else
+      process_block<T, false>(p, bh / p.heads, bh % p.heads, blk, thread_workspace<T>(), call_id);
   };
   parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
                  [] { thread_workspace<T>().trim(); });
