@@ -176,6 +176,22 @@ void decode(benchmark::State& state) {
                4.0 * static_cast<double>(k.size() + v.size()));
 }
 
+// V2 decoding: 16 query heads read 8 kv heads of 64, each pair one kv head.
+void BM_Fused_V2Decode(benchmark::State& state) {
+  const index_t m = state.range(0), H = 8, Hkv = 8, d = kHeadDim;
+  const auto q = random4({1, 1, 2 * H, d}, 1), k = random4({1, m, Hkv, d}, 2),
+             v = random4({1, m, Hkv, d}, 3);
+  Tensor<float, 3> logit({1, 1, H});
+  Tensor<float, 4> out({1, 1, H, d});
+  const auto o = options(state, true);
+  for (auto _ : state) {
+    diffattn::diff_attention_v2<float>(q, k, v, logit, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  set_counters(state, 2 * H * 4.0 * static_cast<double>(m) * d,
+               4.0 * static_cast<double>(k.size() + v.size()));
+}
+
 void BM_Fused_V1Decode(benchmark::State& s) { decode<true>(s); }
 void BM_Fused_PlainDecode(benchmark::State& s) { decode<false>(s); }
 
@@ -233,6 +249,7 @@ BENCHMARK(BM_Reference_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Fused_V1Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
+BENCHMARK(BM_Fused_V2Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_PlainDecode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });

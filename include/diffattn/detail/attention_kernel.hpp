@@ -67,18 +67,23 @@ T row_lambda(const AttentionProblem<T>& p, index_t b, index_t i, index_t oh) {
   return p.lambda_scalar;
 }
 
-/// Scores of a block of fewer than kMR queries, from K rows in place:
-/// s[ii, j] = q_ii . k_j (q already scaled) for the keys row ii sees.
+/// Scores of a block of fewer than kMR queries, from K rows in place, both
+/// maps in one pass over the keys (V2's maps share each key row):
+/// s[m][ii, j] = q_m,ii . k_m,j (q already scaled) for the keys row ii sees.
 template <class T>
-void direct_scores(const AttentionProblem<T>& p, index_t b, index_t khead, index_t i0, index_t rows,
-                   const T* q, T* s, index_t lds) {
+void direct_scores(const AttentionProblem<T>& p, index_t b, const HeadMap& hm, index_t i0,
+                   index_t rows, T* const* q, T* const* s, index_t lds) {
   using RowMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
   const index_t N = p.seqlen_q, M = p.seqlen_k, d = p.head_dim;
   const index_t kend_block = key_end(p.causal, i0 + rows - 1, N, M);
+  const int maps = p.maps();
   for (index_t j = 0; j < kend_block; ++j) {
-    const RowMap krow(&p.k(b, j, khead, 0), d);
-    for (index_t ii = 0; ii < rows; ++ii)
-      if (j < key_end(p.causal, i0 + ii, N, M)) s[ii * lds + j] = RowMap(q + ii * d, d).dot(krow);
+    for (int m = 0; m < maps; ++m) {
+      const RowMap krow(&p.k(b, j, hm.k[m], 0), d);
+      for (index_t ii = 0; ii < rows; ++ii)
+        if (j < key_end(p.causal, i0 + ii, N, M))
+          s[m][ii * lds + j] = RowMap(q[m] + ii * d, d).dot(krow);
+    }
   }
 }
 
@@ -152,12 +157,9 @@ void process_block(const AttentionProblem<T>& p, index_t b, index_t oh, index_t 
 
   // 3. Scores S_m (rows_pad, lds): panel by panel, skipping fully masked tiles.
   T* s[2] = {nullptr, nullptr};
-  for (int m = 0; m < maps; ++m) {
-    s[m] = ws.s[m].get(rows_pad * lds);
-    if constexpr (Direct) {
-      direct_scores(p, b, hm.k[m], i0, rows, qs[m], s[m], lds);
-      continue;
-    }
+  for (int m = 0; m < maps; ++m) s[m] = ws.s[m].get(rows_pad * lds);
+  if constexpr (Direct) direct_scores(p, b, hm, i0, rows, qs, s, lds);
+  for (int m = 0; m < maps && !Direct; ++m) {
     const T* kp = ws.k[shared_k ? 0 : m].get(0);
     for (index_t j0 = 0; j0 < kend_block; j0 += NR) {
       const T* panel = kp + j0 * d;
