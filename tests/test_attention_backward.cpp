@@ -36,6 +36,7 @@ struct Problem {
   Tensor<T, 4> q, k, v, dout;
   Tensor<T, 3> logit;  // v2
   T lambda = T(0.6);
+  index_t window_left = -1, window_right = -1;
 
   std::array<index_t, 4> out_shape() const {
     if (kind == Kind::v1) return {s.B, s.N, s.H, 2 * s.d};
@@ -46,6 +47,8 @@ struct Problem {
   AttentionOptions options(int threads = 0) const {
     AttentionOptions o;
     o.causal = causal;
+    o.window_left = window_left;
+    o.window_right = window_right;
     o.num_threads = threads;
     return o;
   }
@@ -127,6 +130,8 @@ Problem<U> convert(const Problem<T>& p) {
   Problem<U> u{p.kind,       p.s,          p.causal,        cast<U>(p.q),
                cast<U>(p.k), cast<U>(p.v), cast<U>(p.dout), cast<U>(p.logit)};
   u.lambda = static_cast<U>(p.lambda);
+  u.window_left = p.window_left;
+  u.window_right = p.window_right;
   return u;
 }
 
@@ -149,10 +154,14 @@ double fd_error(Problem<double>& p, Tensor<double, R>& x, const Tensor<double, R
   return den > 0 ? num / den : num;
 }
 
-void check_finite_differences(Kind kind, const Shape& s, bool causal, std::uint64_t seed) {
+void check_finite_differences(Kind kind, const Shape& s, bool causal, std::uint64_t seed,
+                              index_t window_left = -1, index_t window_right = -1) {
   INFO("kind=" << int(kind) << " B=" << s.B << " N=" << s.N << " M=" << s.M << " H=" << s.H
-               << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal);
+               << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal << " window=("
+               << window_left << ", " << window_right << ")");
   Problem<double> p = make_problem<double>(kind, s, causal, seed);
+  p.window_left = window_left;
+  p.window_right = window_right;
   auto g = p.backward(false);
   CHECK(fd_error(p, p.q, g.dq) < 1e-6);
   CHECK(fd_error(p, p.k, g.dk) < 1e-6);
@@ -178,10 +187,14 @@ void check_finite_differences(Kind kind, const Shape& s, bool causal, std::uint6
     CHECK(std::abs(g.dlambda - r.dlambda) <= 1e-12 * std::max(1.0, std::abs(r.dlambda)));
 }
 
-void check_float(Kind kind, const Shape& s, bool causal, std::uint64_t seed) {
+void check_float(Kind kind, const Shape& s, bool causal, std::uint64_t seed,
+                 index_t window_left = -1, index_t window_right = -1) {
   INFO("float kind=" << int(kind) << " N=" << s.N << " M=" << s.M << " H=" << s.H
-                     << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal);
-  const Problem<double> pd = make_problem<double>(kind, s, causal, seed);
+                     << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << causal << " window=("
+                     << window_left << ", " << window_right << ")");
+  Problem<double> pd = make_problem<double>(kind, s, causal, seed);
+  pd.window_left = window_left;
+  pd.window_right = window_right;
   const Problem<float> pf = convert<float>(pd);
   const Problem<double> pd_rounded = convert<double>(pf);  // the float inputs, exactly
   const auto ref = pd_rounded.backward(true);
@@ -241,6 +254,26 @@ TEST_CASE("float backward stays within 2x the naive float error", "[backward][fl
     check_float(Kind::plain, {1, 67, 40, 4, 2, 8}, causal, seed += 10);
   }
   check_float(Kind::v1, {1, 1, 37, 2, 2, 8}, true, seed += 10);  // decoding
+}
+
+TEST_CASE("windowed backward: finite differences and the reference", "[backward][masks]") {
+  std::uint64_t seed = 700;
+  for (Kind kind : {Kind::v1, Kind::v2, Kind::plain}) {
+    const index_t hkv = kind == Kind::plain ? 2 : 1;
+    check_finite_differences(kind, {1, 7, 7, 2, hkv, 3}, true, seed += 10, 2);
+    check_finite_differences(kind, {1, 6, 9, 2, hkv, 3}, false, seed += 10, 1, 2);
+    check_finite_differences(kind, {1, 8, 5, 2, hkv, 2}, true, seed += 10, 0);  // diagonal, N > M
+    check_finite_differences(kind, {2, 3, 8, 2, hkv, 3}, false, seed += 10, -1, 0);
+  }
+}
+
+TEST_CASE("windowed float backward stays within 2x the naive float error",
+          "[backward][masks][float]") {
+  std::uint64_t seed = 800;
+  check_float(Kind::v1, {1, 150, 150, 2, 1, 16}, true, seed += 10, 37);
+  check_float(Kind::v2, {1, 131, 140, 2, 1, 8}, false, seed += 10, 20, 5);
+  check_float(Kind::plain, {1, 97, 97, 4, 2, 8}, true, seed += 10, 0);
+  check_float(Kind::v1, {1, 2, 60, 2, 2, 8}, true, seed += 10, 9);  // decoding
 }
 
 TEST_CASE("backward is bitwise identical for 1 and 2 threads", "[backward][threads]") {

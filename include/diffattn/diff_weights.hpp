@@ -23,16 +23,15 @@ std::string mat_shape(const MatrixRef<T>& m) {
   return cat("(", m.rows(), ", ", m.cols(), ")");
 }
 
-/// Scaled, masked logits s * q k^T (N x M), masked entries -inf.
+/// Scaled, masked logits s * q k^T (N x M), entries outside the band -inf.
 template <class T>
-Matrix<T> masked_scores(const MatrixRef<T>& q, const MatrixRef<T>& k, T scale, bool causal) {
+Matrix<T> masked_scores(const MatrixRef<T>& q, const MatrixRef<T>& k, T scale,
+                        const KeyBand& band) {
   Matrix<T> s = (q * k.transpose()) * scale;
-  if (causal) {
-    const index_t n = s.rows(), m = s.cols();
-    for (index_t i = 0; i < n; ++i)
-      for (index_t j = causal_key_end(i, n, m); j < m; ++j)
-        s(i, j) = -std::numeric_limits<T>::infinity();
-  }
+  const index_t n = s.rows(), m = s.cols();
+  for (index_t i = 0; i < n; ++i)
+    for (index_t j = 0; j < m; ++j)
+      if (!band.visible(i, j, n, m)) s(i, j) = -std::numeric_limits<T>::infinity();
   return s;
 }
 }  // namespace detail
@@ -42,8 +41,10 @@ Matrix<T> masked_scores(const MatrixRef<T>& q, const MatrixRef<T>& k, T scale, b
 ///     A1 = softmax(s q1 k1^T + mask),  A2 = softmax(s q2 k2^T + mask),
 ///     W  = A1 - lambda A2.
 ///
-/// Shapes: q1, q2 (N, d); k1, k2 (M, d); the result (N, M). Every row of W sums
-/// to 1 - lambda (a row with no visible key is all zeros). The output of the
+/// Shapes: q1, q2 (N, d); k1, k2 (M, d); the result (N, M). The mask is the
+/// options' causal flag and window (AttentionOptions::window_left/right),
+/// aligned bottom-right. Every row of W sums to 1 - lambda (a row with no
+/// visible key is all zeros). The output of the
 /// head is W V for values V (M, 2d in the V1 layout).
 ///
 /// This is the plain, obviously correct path, for analysis, small problems and
@@ -79,8 +80,9 @@ Matrix<T> diff_weights(const detail::nondeduced_t<detail::MatrixRef<T>>& q1,
     detail::fail(fn, "lambda must be finite, got ", lambda);
 
   const T scale = static_cast<T>(detail::effective_scale(options, q1.cols()));
-  const Matrix<T> a1 = softmax(detail::masked_scores<T>(q1, k1, scale, options.causal), lse1);
-  const Matrix<T> a2 = softmax(detail::masked_scores<T>(q2, k2, scale, options.causal), lse2);
+  const detail::KeyBand band = detail::band_of(options);
+  const Matrix<T> a1 = softmax(detail::masked_scores<T>(q1, k1, scale, band), lse1);
+  const Matrix<T> a2 = softmax(detail::masked_scores<T>(q2, k2, scale, band), lse2);
   return a1 - lambda * a2;
 }
 

@@ -12,6 +12,7 @@
 #include "module.hpp"
 #include "norm.hpp"
 #include "optim.hpp"
+#include "packed.hpp"
 #include "options.hpp"
 #include "reference.hpp"
 #include "rope.hpp"

@@ -39,6 +39,11 @@ struct DiffAttnV1Config {
   bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; d even
   bool norm_affine = true;   ///< learnable 2d weight of the per-head RMSNorm (subln.weight)
   double rope_base = 10000;  ///< rotary base theta
+  /// Sliding window, as AttentionOptions::window_left / window_right (-1: no
+  /// limit): a causal layer whose tokens see the last W tokens, themselves
+  /// included, uses window_left = W - 1.
+  index_t window_left = -1;
+  index_t window_right = -1;
 };
 
 /// Configuration of MultiheadDiffAttnV2.
@@ -53,6 +58,9 @@ struct DiffAttnV2Config {
   bool causal = true;        ///< causal mask over the sequence
   bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; head_dim even
   double rope_base = 10000;  ///< rotary base theta
+  /// Sliding window, as in DiffAttnV1Config.
+  index_t window_left = -1;
+  index_t window_right = -1;
 };
 
 /// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
@@ -268,12 +276,13 @@ class MultiheadDiffAttnV1 {
     const T lambda = lambda_full();
     Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
     const index_t group = h / cfg_.num_kv_heads;
+    const detail::KeyBand band = detail::band_of(options());
     for (index_t bi = 0; bi < b; ++bi)
       for (index_t hi = 0; hi < h; ++hi) {
         const index_t gi = hi / group;
-        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, 2 * gi, cfg_.causal);
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, 2 * gi, band);
         const Matrix<T> a2 =
-            detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, 2 * gi + 1, cfg_.causal);
+            detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, 2 * gi + 1, band);
         detail::module_store_map<T>(a1 - lambda * a2, w, bi, hi);
       }
     return w;
@@ -368,6 +377,7 @@ class MultiheadDiffAttnV1 {
       detail::fail(fn, "rope needs an even head width, got d = E / (2H) = ", d);
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
     return c;
   }
 
@@ -393,10 +403,7 @@ class MultiheadDiffAttnV1 {
   }
 
   AttentionOptions options() const {
-    AttentionOptions o;
-    o.causal = cfg_.causal;
-    o.num_threads = num_threads_;
-    return o;
+    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
@@ -502,9 +509,7 @@ class MultiheadDiffAttnV2 {
     project(saved_.x, position_offset, saved_.q, saved_.k, saved_.v, saved_.lambda_logit);
     saved_.attn = Tensor<T, 4>({b, n, h, hd});  // (B, N, H, hd)
     saved_.lse = Tensor<T, 3>({b, 2 * h, n});   // (B, 2H, N)
-    AttentionOptions o;
-    o.causal = cfg_.causal;
-    o.num_threads = num_threads_;
+    const AttentionOptions o = options();
     diff_attention_v2<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
                          saved_.lse.view(), o);
     Tensor<T, 3> y({b, n, e});  // (B, N, E)
@@ -539,9 +544,7 @@ class MultiheadDiffAttnV2 {
                                    grads_.at("o_proj.weight"), dattn.data(), false, num_threads_);
     Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
     Tensor<T, 3> dlogit({b, n, h});  // (B, N, H)
-    AttentionOptions o;
-    o.causal = cfg_.causal;
-    o.num_threads = num_threads_;
+    const AttentionOptions o = options();
     diff_attention_v2_backward<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn,
                                   saved_.lse, dattn, dq.view(), dk.view(), dv.view(), dlogit.view(),
                                   o);
@@ -586,11 +589,12 @@ class MultiheadDiffAttnV2 {
     project(detail::module_contiguous_copy<T>(x), position_offset, q, k, v, logit);
     Tensor<T, 4> w({b, h, n, n});                     // (B, H, N, N)
     const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
+    const detail::KeyBand band = detail::band_of(options());
     for (index_t bi = 0; bi < b; ++bi)
       for (index_t hi = 0; hi < h; ++hi) {
         const index_t gi = 2 * hi / group;
-        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, gi, cfg_.causal);
-        Matrix<T> a2 = detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, gi, cfg_.causal);
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, gi, band);
+        Matrix<T> a2 = detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, gi, band);
         for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<T>(logit(bi, i, hi));
         detail::module_store_map<T>(a1 - a2, w, bi, hi);
       }
@@ -671,7 +675,12 @@ class MultiheadDiffAttnV2 {
       detail::fail(fn, "rope needs an even head_dim, got ", c.head_dim);
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
     return c;
+  }
+
+  AttentionOptions options() const {
+    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
   }
 
   // q (B, N, 2H, hd) and k (B, N, Hkv, hd) after rope, v (B, N, Hkv, hd) and

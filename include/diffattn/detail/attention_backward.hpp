@@ -9,7 +9,7 @@
 //   dQ_m   = s dS_m K_m,  dK_m = s dS_m^T Q_m
 // Plain attention is the one-map case (dS = A o (dW - D)).
 //
-// One task owns one (batch, kv group): every output head of the group and all
+// One task owns one (sequence, kv group): every output head of the group and all
 // its query blocks run in the task, so dK and dV accumulate without sharing,
 // and in a fixed order (results do not depend on the thread count). Per query
 // block the kernel keeps score rows as the forward does: memory O(kBlockM x M)
@@ -81,22 +81,24 @@ void transpose_padded(const T* src, index_t ld, index_t rows, index_t cols, inde
     for (index_t c = 0; c < cols; ++c) dst[c * rows_pad + r] = src[r * ld + c];
 }
 
-/// One (batch, kv group) task. dlambda_head receives, per output head of the
-/// group, the sum over its rows of dlambda_i (V1 only).
+/// One (sequence, kv group) task. dlambda_head receives, per output head of
+/// the group, the sum over its rows of dlambda_i (V1 only).
 template <class T>
-void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, BackwardWorkspace<T>& ws,
-                    double* dlambda_head) {
+void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g,
+                    BackwardWorkspace<T>& ws, double* dlambda_head) {
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
   const AttentionProblem<T>& p = bp.fwd;
-  const index_t N = p.seqlen_q, M = p.seqlen_k, d = p.head_dim, dv = p.value_dim;
+  const SeqSpan sq = p.seq(seq);
+  const index_t N = sq.n, M = sq.m, d = p.head_dim, dv = p.value_dim;
   const int maps = p.maps();
   const bool shared_k = p.kind != AttnKind::v1;
   const int kbufs = shared_k ? 1 : 2;
   const HeadMap hg = head_map(p, g * p.group);
 
-  const index_t kend_all = key_end(p.causal, N - 1, N, M);  // keys any query sees
+  // Keys any query sees lie below kend_all.
+  const index_t kend_all = N > 0 ? p.band.end(N - 1, N, M) : 0;
   const index_t mpad = round_up(kend_all, NR);
   const index_t dpad_nr = round_up(d, NR), dpad_mr = round_up(d, MR), dvpad_mr = round_up(dv, MR);
 
@@ -110,7 +112,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
     dkt[m] = ws.dkt[m].get(std::max<index_t>(dpad_mr * mpad, 1));
     std::fill(dkt[m], dkt[m] + dpad_mr * mpad, T(0));
     if (kend_all > 0) {
-      const T* src = &p.k(b, 0, hg.k[m], 0);
+      const T* src = &p.k(sq.b, sq.k0, hg.k[m], 0);
       pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
       pack_cols(src, p.k.stride(1), kend_all, d, kc[m]);
     }
@@ -118,19 +120,25 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
   T* vt = ws.vt.get(std::max<index_t>(mpad * dv, 1));
   T* dvt = ws.dvt.get(std::max<index_t>(dvpad_mr * mpad, 1));
   std::fill(dvt, dvt + dvpad_mr * mpad, T(0));
-  if (kend_all > 0) pack_rows_transposed(&p.v(b, 0, hg.v, 0), p.v.stride(1), kend_all, dv, vt);
+  if (kend_all > 0)
+    pack_rows_transposed(&p.v(sq.b, sq.k0, hg.v, 0), p.v.stride(1), kend_all, dv, vt);
 
   const index_t nblocks = (N + BM - 1) / BM;
   for (index_t oh = g * p.group; oh < (g + 1) * p.group; ++oh) {
     const HeadMap hm = head_map(p, oh);
     double dlambda_sum = 0;
     for (index_t blk = 0; blk < nblocks; ++blk) {
-      const index_t i0 = blk * BM, rows = std::min(BM, N - i0);
+      const index_t i0 = blk * BM;
+      const BlockRows br{p.band, N, M, i0, std::min(BM, N - i0)};
+      const index_t rows = br.rows;
       const index_t rows_pad = round_up(rows, MR), tiles = rows_pad / MR;
-      auto kend = [&](index_t ii) { return key_end(p.causal, i0 + ii, N, M); };
-      auto tile_end = [&](index_t r) { return kend(std::min(r * MR + MR - 1, rows - 1)); };
-      const index_t kend_block = kend(rows - 1);
-      const index_t lds = std::max<index_t>(round_up(kend_block, NR), NR);
+      auto tile_lo = [&](index_t r) { return br.begin(r * MR); };
+      auto tile_hi = [&](index_t r) { return br.end(std::min(r * MR + MR - 1, rows - 1)); };
+      // Score rows cover [kbase, kend_block): the block's band, its start
+      // rounded down to a whole panel.
+      const index_t kend_block = std::max(br.end(rows - 1), br.begin(0));
+      const index_t kbase = br.begin(0) / NR * NR;
+      const index_t lds = std::max<index_t>(round_up(kend_block - kbase, NR), NR);
 
       // Scaled queries, their transpose; dO and its transpose.
       T* qs[2] = {nullptr, nullptr};
@@ -138,7 +146,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
       for (int m = 0; m < maps; ++m) {
         qs[m] = ws.qs[m].get(rows_pad * d);
         for (index_t ii = 0; ii < rows; ++ii) {
-          const T* src = &p.q(b, i0 + ii, hm.q[m], 0);
+          const T* src = &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
           for (index_t t = 0; t < d; ++t) qs[m][ii * d + t] = p.scale * src[t];
         }
         std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, T(0));
@@ -147,33 +155,35 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
       }
       T* dob = ws.dout.get(rows_pad * dv);
       for (index_t ii = 0; ii < rows; ++ii)
-        std::memcpy(dob + ii * dv, &bp.dout(b, i0 + ii, oh, 0),
+        std::memcpy(dob + ii * dv, &bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0),
                     static_cast<std::size_t>(dv) * sizeof(T));
       std::fill(dob + rows * dv, dob + rows_pad * dv, T(0));
       T* dobt = ws.doutt.get(dvpad_mr * rows_pad);
       transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
 
-      // Scores of each map and dW = dO V^T, tile by tile.
+      // Scores of each map and dW = dO V^T, tile by tile inside the band.
       T* s[3] = {ws.s[0].get(rows_pad * lds), maps == 2 ? ws.s[1].get(rows_pad * lds) : nullptr,
                  ws.s[2].get(rows_pad * lds)};
-      for (index_t j0 = 0; j0 < kend_block; j0 += NR) {
+      for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
         for (index_t r = 0; r < tiles; ++r) {
-          if (j0 >= tile_end(r)) continue;
+          if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
+          const index_t col = r * MR * lds + (j0 - kbase);
           for (int m = 0; m < maps; ++m)
             micro_kernel<T>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR,
-                            s[m] + r * MR * lds + j0, lds, false);
-          micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + r * MR * lds + j0,
-                          lds, false);
+                            s[m] + col, lds, false);
+          micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
         }
       }
 
-      // Per row: maps from the saved lse, then dS_m and W in place.
+      // Per row: maps from the saved lse, then dS_m and W in place; zero
+      // outside the row's keys (the dK and dV products read whole panels).
       for (index_t ii = 0; ii < rows; ++ii) {
-        const index_t i = i0 + ii, n = kend(ii);
-        T* r0 = s[0] + ii * lds;
-        T* rw = s[2] + ii * lds;
+        const index_t i = sq.q0 + i0 + ii, n = br.count(ii);
+        const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
+        T* r0 = s[0] + ii * lds + off;
+        T* rw = s[2] + ii * lds + off;
         ArrayMap a1(r0, n), dw(rw, n);
-        const T lse1 = p.lse(b, hm.q[0], i);
+        const T lse1 = p.lse(sq.b, hm.q[0], i);
         if (lse1 == -std::numeric_limits<T>::infinity())
           a1.setZero();
         else {
@@ -189,22 +199,22 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
           }
         }
         if (maps == 2) {
-          T* r1 = s[1] + ii * lds;
+          T* r1 = s[1] + ii * lds + off;
           ArrayMap a2(r1, n);
-          const T lse2 = p.lse(b, hm.q[1], i);
+          const T lse2 = p.lse(sq.b, hm.q[1], i);
           if (lse2 == -std::numeric_limits<T>::infinity())
             a2.setZero();
           else {
             a2 -= lse2;
             a2 = a2.exp();
           }
-          const T lambda = row_lambda(p, b, i, oh);
+          const T lambda = row_lambda(p, sq.b, i, oh);
           const T d1 = (a1 * dw).sum();
           const T e = (a2 * dw).sum();
           const T dlambda_i = -e;
           if (p.kind == AttnKind::v2) {
             const T sg = lambda;  // sigmoid(logit)
-            bp.dlambda_logit(b, i, oh) = dlambda_i * sg * (T(1) - sg);
+            bp.dlambda_logit(sq.b, i, oh) = dlambda_i * sg * (T(1) - sg);
           } else {
             dlambda_sum += static_cast<double>(dlambda_i);
           }
@@ -215,43 +225,47 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
             r1[j] = -lambda * x2 * (g_ - e);
             rw[j] = x1 - lambda * x2;
           }
-          std::fill(r1 + n, r1 + lds, T(0));
         }
-        // Zero to the padded width: the dK and dV products read whole panels.
-        std::fill(r0 + n, r0 + lds, T(0));
-        std::fill(rw + n, rw + lds, T(0));
+        for (int m = 0; m < 3; ++m) {
+          if (!s[m]) continue;
+          T* row = s[m] + ii * lds;
+          std::fill(row, row + off, T(0));
+          std::fill(row + off + n, row + lds, T(0));
+        }
       }
       for (int m = 0; m < 3; ++m)
         if (s[m]) std::fill(s[m] + rows * lds, s[m] + rows_pad * lds, T(0));
 
-      // dQ_m = s dS_m K_m.
+      // dQ_m = s dS_m K_m over each tile's keys.
       T* dqb = ws.dq.get(rows_pad * dpad_nr);
       for (int m = 0; m < maps; ++m) {
         std::fill(dqb, dqb + rows_pad * dpad_nr, T(0));
         const T* kcm = kc[shared_k ? 0 : m];
         for (index_t r = 0; r < tiles; ++r) {
-          const index_t te = tile_end(r);
-          if (te == 0) continue;
+          const index_t lo = std::max(tile_lo(r), kbase), hi = tile_hi(r);
+          if (hi <= lo) continue;
           for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
-            micro_kernel<T>(te, s[m] + r * MR * lds, lds, kcm + c0 * kend_all, NR,
-                            dqb + r * MR * dpad_nr + c0, dpad_nr, false);
+            micro_kernel<T>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
+                            kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0,
+                            dpad_nr, false);
         }
         for (index_t ii = 0; ii < rows; ++ii) {
-          T* dst = &bp.dq(b, i0 + ii, hm.q[m], 0);
+          T* dst = &bp.dq(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
           for (index_t t = 0; t < d; ++t) dst[t] = p.scale * dqb[ii * dpad_nr + t];
         }
       }
 
       // dK_m^T += (s Q_m)^T dS_m and dV^T += dO^T W, key panel by key panel.
-      for (index_t j0 = 0; j0 < kend_block; j0 += NR) {
+      for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
+        const index_t col = j0 - kbase;
         for (int m = 0; m < maps; ++m) {
           T* acc = dkt[shared_k ? 0 : m];
           for (index_t t0 = 0; t0 < dpad_mr; t0 += MR)
-            micro_kernel<T>(rows, qst[m] + t0 * rows_pad, rows_pad, s[m] + j0, lds,
+            micro_kernel<T>(rows, qst[m] + t0 * rows_pad, rows_pad, s[m] + col, lds,
                             acc + t0 * mpad + j0, mpad, true);
         }
         for (index_t t0 = 0; t0 < dvpad_mr; t0 += MR)
-          micro_kernel<T>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + j0, lds,
+          micro_kernel<T>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + col, lds,
                           dvt + t0 * mpad + j0, mpad, true);
       }
     }
@@ -261,12 +275,12 @@ void backward_group(const BackwardProblem<T>& bp, index_t b, index_t g, Backward
   // Accumulators to the caller's layout; keys no query sees get zero.
   for (int m = 0; m < kbufs; ++m) {
     for (index_t j = 0; j < M; ++j) {
-      T* dst = &bp.dk(b, j, hg.k[m], 0);
+      T* dst = &bp.dk(sq.b, sq.k0 + j, hg.k[m], 0);
       for (index_t t = 0; t < d; ++t) dst[t] = j < kend_all ? dkt[m][t * mpad + j] : T(0);
     }
   }
   for (index_t j = 0; j < M; ++j) {
-    T* dst = &bp.dv(b, j, hg.v, 0);
+    T* dst = &bp.dv(sq.b, sq.k0 + j, hg.v, 0);
     for (index_t t = 0; t < dv; ++t) dst[t] = j < kend_all ? dvt[t * mpad + j] : T(0);
   }
 }
@@ -275,9 +289,10 @@ template <class T>
 void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions& options) {
   const AttentionProblem<T>& p = bp.fwd;
   const index_t groups = p.heads / p.group;
-  const index_t tasks = p.batch * groups;
-  // Per (batch, head) sums of dlambda_i, reduced in a fixed order below.
-  std::vector<double> dlambda_parts(static_cast<std::size_t>(p.batch * p.heads), 0.0);
+  const index_t seqs = p.num_seqs();
+  const index_t tasks = seqs * groups;
+  // Per (sequence, head) sums of dlambda_i, reduced in a fixed order below.
+  std::vector<double> dlambda_parts(static_cast<std::size_t>(seqs * p.heads), 0.0);
   auto zero_all = [&] {
     // Nothing to propagate (no queries): every gradient is zero.
     auto zero4 = [](const TensorView<T, 4>& t) {
@@ -294,10 +309,10 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
     zero_all();
   } else {
     auto run_task = [&](index_t t) {
-      const index_t b = t / groups, g = t % groups;
+      const index_t sq = t / groups, g = t % groups;
       double* parts =
-          p.kind == AttnKind::v1 ? dlambda_parts.data() + b * p.heads + g * p.group : nullptr;
-      backward_group(bp, b, g, thread_backward_workspace<T>(), parts);
+          p.kind == AttnKind::v1 ? dlambda_parts.data() + sq * p.heads + g * p.group : nullptr;
+      backward_group(bp, sq, g, thread_backward_workspace<T>(), parts);
     };
     parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
                    [] { thread_backward_workspace<T>().trim(); });
@@ -310,8 +325,8 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
     } else {
       for (index_t h = 0; h < p.heads; ++h) {
         double total = 0;
-        for (index_t b = 0; b < p.batch; ++b)
-          total += dlambda_parts[static_cast<std::size_t>(b * p.heads + h)];
+        for (index_t sq = 0; sq < seqs; ++sq)
+          total += dlambda_parts[static_cast<std::size_t>(sq * p.heads + h)];
         bp.dlambda(h) = static_cast<T>(total);
       }
     }
@@ -335,7 +350,7 @@ TensorView<T, R> unconst(const TensorView<const T, R>& t) {
 template <class T>
 void validate_backward(const char* fn, BackwardProblem<T>& bp) {
   const AttentionProblem<T>& p = bp.fwd;
-  if (!p.has_lse())
+  if (!p.has_lse() && p.seqlen_q > 0)  // (an lse of no rows may be an empty view)
     fail(fn, "lse is required: pass the (B, Hq, N) log-sum-exp the forward pass wrote");
   check_head_contiguous(fn, "dout", bp.dout);
   check_head_contiguous(fn, "dq", bp.dq);
@@ -392,8 +407,8 @@ BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> 
                                TensorView<const T, 4> out, TensorView<const T, 3> lse,
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
-                               const AttentionOptions& options) {
-  constexpr const char* fn = "diff_attention_v1_backward";
+                               const AttentionOptions& options,
+    const char* fn = "diff_attention_v1_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
     return validate_v1<T>(q, k, v, lambda, lambda_heads, unconst(out), unconst(lse), options);
@@ -414,8 +429,8 @@ BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> 
                                TensorView<const T, 4> out, TensorView<const T, 3> lse,
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                TensorView<T, 4> dk, TensorView<T, 4> dv,
-                               TensorView<T, 3> dlambda_logit, const AttentionOptions& options) {
-  constexpr const char* fn = "diff_attention_v2_backward";
+                               TensorView<T, 3> dlambda_logit, const AttentionOptions& options,
+    const char* fn = "diff_attention_v2_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
     return validate_v2<T>(q, k, v, lambda_logit, unconst(out), unconst(lse), options);
@@ -435,8 +450,8 @@ BackwardProblem<T> backward_plain(TensorView<const T, 4> q, TensorView<const T, 
                                   TensorView<const T, 4> v, TensorView<const T, 4> out,
                                   TensorView<const T, 3> lse, TensorView<const T, 4> dout,
                                   TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
-                                  const AttentionOptions& options) {
-  constexpr const char* fn = "attention_backward";
+                                  const AttentionOptions& options,
+    const char* fn = "attention_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(
       fn, [&] { return validate_plain<T>(q, k, v, unconst(out), unconst(lse), options); });

@@ -13,6 +13,7 @@
 #include "../config.hpp"
 #include "../diff_weights.hpp"
 #include "../matrix.hpp"
+#include "../options.hpp"
 #include "../softmax.hpp"
 #include "../io/safetensors.hpp"
 #include "../tensor.hpp"
@@ -38,6 +39,24 @@ template <class T>
 void module_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out,
                             const T* dy, T* dw, T* dx, bool accumulate_dx, int threads) {
   linear_backward<T>(x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);
+}
+
+/// Checks a layer configuration's mask fields as validate_options does.
+inline void module_check_window(const char* fn, bool causal, index_t left, index_t right) {
+  if (left < -1) fail(fn, "window_left must be >= 0, or -1 for no limit, got ", left);
+  if (right < -1) fail(fn, "window_right must be >= 0, or -1 for no limit, got ", right);
+  if (causal && right > 0)
+    fail(fn, "causal means window_right = 0, got window_right = ", right, " with causal = true");
+}
+
+/// The kernel options of a layer.
+inline AttentionOptions module_options(bool causal, index_t left, index_t right, int threads) {
+  AttentionOptions o;
+  o.causal = causal;
+  o.window_left = left;
+  o.window_right = right;
+  o.num_threads = threads;
+  return o;
 }
 
 /// dst[i] += src[i], i < n.
@@ -78,7 +97,7 @@ class ModuleGrads {
 /// q (B, N, Hq, d) and k (B, M, Hk, d), s = 1/sqrt(d); for analysis.
 template <class T>
 Matrix<T> module_softmax_map(const Tensor<T, 4>& q, const Tensor<T, 4>& k, index_t b, index_t qh,
-                             index_t kh, bool causal) {
+                             index_t kh, const KeyBand& band) {
   const index_t n = q.shape(1), m = k.shape(1), d = q.shape(3);
   Matrix<T> qm(n, d), km(m, d);
   for (index_t i = 0; i < n; ++i)
@@ -86,7 +105,7 @@ Matrix<T> module_softmax_map(const Tensor<T, 4>& q, const Tensor<T, 4>& k, index
   for (index_t j = 0; j < m; ++j)
     for (index_t t = 0; t < d; ++t) km(j, t) = k(b, j, kh, t);
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
-  return softmax(masked_scores<T>(qm, km, scale, causal));
+  return softmax(masked_scores<T>(qm, km, scale, band));
 }
 
 /// Copies the map m (N x M) into w[b, h] of w (B, H, N, M).

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../config.hpp"
 #include "../options.hpp"
@@ -16,6 +17,13 @@ DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
 enum class AttnKind { plain, v1, v2 };
+
+/// The rows of one sequence: queries [q0, q0 + n) and keys [k0, k0 + m) on the
+/// token axis of batch entry b. A plain batch has one per batch entry (q0 = k0
+/// = 0); a packed batch has one per packed sequence, all in batch entry 0.
+struct SeqSpan {
+  index_t b, q0, n, k0, m;
+};
 
 /// A checked problem. Head mapping, with g the kv group of output head oh:
 ///   plain: query head oh,           g = oh / group, key head g,            value head g
@@ -35,9 +43,21 @@ struct AttentionProblem {
   index_t group = 1;  // output heads per kv group
   T scale = T(1);
   bool causal = false;
+  KeyBand band;  // the visible keys of each row (causal and window)
+  // Packed batch (batch == 1): sequence s owns query rows [cu_q[s], cu_q[s+1])
+  // and key rows [cu_k[s], cu_k[s+1]); null for a plain batch.
+  const index_t* cu_q = nullptr;
+  const index_t* cu_k = nullptr;
+  index_t packed = 0;  // number of packed sequences
 
   bool has_lse() const { return lse.data() != nullptr || lse.size() != 0; }
   int maps() const { return kind == AttnKind::plain ? 1 : 2; }
+  /// Sequences: batch entries, or the packed sequences.
+  index_t num_seqs() const { return cu_q ? packed : batch; }
+  SeqSpan seq(index_t s) const {
+    if (!cu_q) return {s, 0, seqlen_q, 0, seqlen_k};
+    return {0, cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s]};
+  }
 };
 
 template <class A, class B>
@@ -87,6 +107,7 @@ void validate_common(const char* fn, AttentionProblem<T>& p, const AttentionOpti
   p.seqlen_k = ks[1];
   p.head_dim = qs[3];
   p.causal = options.causal;
+  p.band = band_of(options);
   p.scale = static_cast<T>(effective_scale(options, p.head_dim));
 }
 
@@ -122,8 +143,8 @@ template <class T>
 AttentionProblem<T> validate_v1(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                 TensorView<const T, 4> v, const T* lambda,
                                 const TensorView<const T, 1>* lambda_heads, TensorView<T, 4> out,
-                                TensorView<T, 3> lse, const AttentionOptions& options) {
-  constexpr const char* fn = "diff_attention_v1";
+                                TensorView<T, 3> lse, const AttentionOptions& options,
+    const char* fn = "diff_attention_v1") {
   AttentionProblem<T> p;
   p.kind = AttnKind::v1;
   p.q = q;
@@ -166,8 +187,8 @@ template <class T>
 AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                 TensorView<const T, 4> v, TensorView<const T, 3> lambda_logit,
                                 TensorView<T, 4> out, TensorView<T, 3> lse,
-                                const AttentionOptions& options) {
-  constexpr const char* fn = "diff_attention_v2";
+                                const AttentionOptions& options,
+    const char* fn = "diff_attention_v2") {
   AttentionProblem<T> p;
   p.kind = AttnKind::v2;
   p.q = q;
@@ -206,8 +227,8 @@ AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4>
 template <class T>
 AttentionProblem<T> validate_plain(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                    TensorView<const T, 4> v, TensorView<T, 4> out,
-                                   TensorView<T, 3> lse, const AttentionOptions& options) {
-  constexpr const char* fn = "attention";
+                                   TensorView<T, 3> lse, const AttentionOptions& options,
+    const char* fn = "attention") {
   AttentionProblem<T> p;
   p.kind = AttnKind::plain;
   p.q = q;
@@ -232,6 +253,50 @@ AttentionProblem<T> validate_plain(TensorView<const T, 4> q, TensorView<const T,
   check_lse(fn, p, Hq);
   check_outputs(fn, p, "lambda");
   return p;
+}
+
+/// A rank-3 view (T, H, D) of a packed batch as the rank-4 (1, T, H, D) the
+/// kernels take.
+template <class T>
+TensorView<T, 4> as_batch1(const TensorView<T, 3>& t) {
+  return TensorView<T, 4>(t.data(), {1, t.shape(0), t.shape(1), t.shape(2)},
+                          {0, t.stride(0), t.stride(1), t.stride(2)});
+}
+/// A rank-2 view (H, T) (lse) or (T, H) (lambda_logit) as (1, ., .).
+template <class T>
+TensorView<T, 3> as_batch1(const TensorView<T, 2>& t) {
+  if (t.data() == nullptr && t.size() == 0) return TensorView<T, 3>();
+  return TensorView<T, 3>(t.data(), {1, t.shape(0), t.shape(1)}, {0, t.stride(0), t.stride(1)});
+}
+
+/// Checks the cumulative offsets of a packed batch against the token extents
+/// of q (p.seqlen_q) and k (p.seqlen_k) and attaches them to the problem.
+template <class T>
+void attach_packed(const char* fn, AttentionProblem<T>& p, const std::vector<index_t>& cu_q,
+                   const std::vector<index_t>& cu_k_in) {
+  const std::vector<index_t>& cu_k = cu_k_in.empty() ? cu_q : cu_k_in;
+  const char* kname = cu_k_in.empty() ? "cu_seqlens_q (as cu_seqlens_k)" : "cu_seqlens_k";
+  if (cu_q.empty())
+    fail(fn, "cu_seqlens_q is empty: it must hold S + 1 offsets for S >= 0 sequences");
+  if (cu_k.size() != cu_q.size())
+    fail(fn, "cu_seqlens_k has ", cu_k.size(), " offsets, cu_seqlens_q ", cu_q.size(),
+         ": both must hold S + 1");
+  auto check = [&](const std::vector<index_t>& cu, const char* name, index_t total,
+                   const char* tensors) {
+    if (cu.front() != 0) fail(fn, name, "[0] must be 0, got ", cu.front());
+    for (std::size_t s = 1; s < cu.size(); ++s)
+      if (cu[s] < cu[s - 1])
+        fail(fn, name, "[", s, "] = ", cu[s], " < ", name, "[", s - 1, "] = ", cu[s - 1],
+             ": offsets must be non-decreasing");
+    if (cu.back() != total)
+      fail(fn, name, "[", cu.size() - 1, "] = ", cu.back(), " must equal the ", total,
+           " tokens of ", tensors);
+  };
+  check(cu_q, "cu_seqlens_q", p.seqlen_q, "q");
+  check(cu_k, kname, p.seqlen_k, "k and v");
+  p.cu_q = cu_q.data();
+  p.cu_k = cu_k.data();
+  p.packed = static_cast<index_t>(cu_q.size()) - 1;
 }
 
 }  // namespace detail

@@ -53,9 +53,10 @@ struct Workspace {
   ScratchBuffer<T> v;     // value chunk in column panels        (kBlockN, dv)
   ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
 
-  // Which keys k[] holds, so consecutive blocks of one head skip repacking.
+  // Which keys k[] holds, [packed_begin, packed_end) of one sequence and kv
+  // group, so that consecutive blocks of one head skip repacking.
   std::uint64_t packed_call = 0;
-  index_t packed_batch = -1, packed_group = -1, packed_keys = 0;
+  index_t packed_seq = -1, packed_group = -1, packed_begin = 0, packed_end = 0;
 
   void trim() {
     ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o};
