@@ -177,6 +177,26 @@ TEST_CASE("V2 backward matches finite differences for every parameter and x", "[
   check_against_finite_differences(m, {2, 6, c.e}, c.offset, 202);
 }
 
+TEST_CASE("windowed layers' backward matches finite differences", "[backward][masks]") {
+  DiffAttnV1Config c1;
+  c1.embed_dim = 16;
+  c1.num_heads = 2;
+  c1.num_kv_heads = 1;
+  c1.window_left = 2;
+  MultiheadDiffAttnV1<double> m1(c1, 7);
+  randomize(m1, 17, 0.4);
+  check_against_finite_differences(m1, {2, 6, 16}, 1, 303);
+  DiffAttnV2Config c2;
+  c2.embed_dim = 12;
+  c2.num_heads = 2;
+  c2.causal = false;
+  c2.window_left = 1;
+  c2.window_right = 2;
+  MultiheadDiffAttnV2<double> m2(c2, 5);
+  randomize(m2, 19, 0.5);
+  check_against_finite_differences(m2, {2, 6, 12}, 0, 404);
+}
+
 TEMPLATE_TEST_CASE("backward accumulates, zero_grad resets, the state is kept", "[backward]",
                    MultiheadDiffAttnV1<double>, MultiheadDiffAttnV2<double>) {
   typename TestType::config_type cfg;

@@ -235,6 +235,8 @@ class Tensor {
 
   TensorView<T, R> view() noexcept { return make_view<T>(data_.get()); }
   TensorView<const T, R> view() const noexcept { return make_view<const T>(data_.get()); }
+  /// A read-only view, also of a non-const tensor.
+  TensorView<const T, R> cview() const noexcept { return view(); }
   operator TensorView<T, R>() noexcept { return view(); }              // NOLINT
   operator TensorView<const T, R>() const noexcept { return view(); }  // NOLINT
 

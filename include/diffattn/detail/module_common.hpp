@@ -14,12 +14,14 @@
 #include "../diff_weights.hpp"
 #include "../matrix.hpp"
 #include "../options.hpp"
+#include "../rope.hpp"
 #include "../softmax.hpp"
 #include "../io/safetensors.hpp"
 #include "../tensor.hpp"
 #include "format.hpp"
 #include "linear.hpp"
 #include "random.hpp"
+#include "validate.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -47,6 +49,39 @@ inline void module_check_window(const char* fn, bool causal, index_t left, index
   if (right < -1) fail(fn, "window_right must be >= 0, or -1 for no limit, got ", right);
   if (causal && right > 0)
     fail(fn, "causal means window_right = 0, got window_right = ", right, " with causal = true");
+}
+
+/// Rotary embedding (or its inverse) on t (1 or B, T, H, D): with `cu` (the
+/// offsets of a packed batch, B = 1) each sequence's positions start at 0;
+/// otherwise they start at position_offset.
+template <class T>
+void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<index_t>* cu,
+                 double base, bool inverse) {
+  auto apply = [&](TensorView<T, 4> x, index_t offset) {
+    if (inverse)
+      apply_rope_inverse<T>(x, offset, base);
+    else
+      apply_rope<T>(x, offset, base);
+  };
+  if (!cu) return apply(t, position_offset);
+  for (std::size_t s = 0; s + 1 < cu->size(); ++s) {
+    const index_t r0 = (*cu)[s], n = (*cu)[s + 1] - r0;
+    if (n > 0)
+      apply(TensorView<T, 4>(&t(0, r0, 0, 0), {1, n, t.shape(2), t.shape(3)}, t.strides()), 0);
+  }
+}
+
+/// Checks the packed-batch arguments of a layer's forward: x (1, T, E) and
+/// self-attention offsets over its T tokens.
+template <class T>
+void module_check_packed(const char* fn, const TensorView<const T, 3>& x,
+                         const std::vector<index_t>& cu_q, const std::vector<index_t>& cu_k) {
+  if (x.shape(0) != 1)
+    fail(fn, "a packed batch has x (1, T, E), got x ", shape_str(x.shape()));
+  check_cu_seqlens(fn, "cu_seqlens_q", cu_q, x.shape(1), "x");
+  if (!cu_k.empty() && cu_k != cu_q)
+    fail(fn, "a layer attends each sequence to itself: cu_seqlens_k must be empty or equal to "
+         "cu_seqlens_q");
 }
 
 /// The kernel options of a layer.

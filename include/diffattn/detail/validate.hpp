@@ -269,34 +269,49 @@ TensorView<T, 3> as_batch1(const TensorView<T, 2>& t) {
   return TensorView<T, 3>(t.data(), {1, t.shape(0), t.shape(1)}, {0, t.stride(0), t.stride(1)});
 }
 
+/// Checks cumulative sequence offsets: cu[0] = 0, non-decreasing, and
+/// cu.back() = total, the token count of `tensors`.
+inline void check_cu_seqlens(const char* fn, const char* name, const std::vector<index_t>& cu,
+                             index_t total, const char* tensors) {
+  if (cu.empty())
+    fail(fn, name, " is empty: it must hold S + 1 offsets for S >= 0 sequences");
+  if (cu.front() != 0) fail(fn, name, "[0] must be 0, got ", cu.front());
+  for (std::size_t s = 1; s < cu.size(); ++s)
+    if (cu[s] < cu[s - 1])
+      fail(fn, name, "[", s, "] = ", cu[s], " < ", name, "[", s - 1, "] = ", cu[s - 1],
+           ": offsets must be non-decreasing");
+  if (cu.back() != total)
+    fail(fn, name, "[", cu.size() - 1, "] = ", cu.back(), " must equal the ", total, " tokens of ",
+         tensors);
+}
+
 /// Checks the cumulative offsets of a packed batch against the token extents
 /// of q (p.seqlen_q) and k (p.seqlen_k) and attaches them to the problem.
 template <class T>
 void attach_packed(const char* fn, AttentionProblem<T>& p, const std::vector<index_t>& cu_q,
                    const std::vector<index_t>& cu_k_in) {
   const std::vector<index_t>& cu_k = cu_k_in.empty() ? cu_q : cu_k_in;
-  const char* kname = cu_k_in.empty() ? "cu_seqlens_q (as cu_seqlens_k)" : "cu_seqlens_k";
-  if (cu_q.empty())
-    fail(fn, "cu_seqlens_q is empty: it must hold S + 1 offsets for S >= 0 sequences");
+  check_cu_seqlens(fn, "cu_seqlens_q", cu_q, p.seqlen_q, "q");
   if (cu_k.size() != cu_q.size())
     fail(fn, "cu_seqlens_k has ", cu_k.size(), " offsets, cu_seqlens_q ", cu_q.size(),
          ": both must hold S + 1");
-  auto check = [&](const std::vector<index_t>& cu, const char* name, index_t total,
-                   const char* tensors) {
-    if (cu.front() != 0) fail(fn, name, "[0] must be 0, got ", cu.front());
-    for (std::size_t s = 1; s < cu.size(); ++s)
-      if (cu[s] < cu[s - 1])
-        fail(fn, name, "[", s, "] = ", cu[s], " < ", name, "[", s - 1, "] = ", cu[s - 1],
-             ": offsets must be non-decreasing");
-    if (cu.back() != total)
-      fail(fn, name, "[", cu.size() - 1, "] = ", cu.back(), " must equal the ", total,
-           " tokens of ", tensors);
-  };
-  check(cu_q, "cu_seqlens_q", p.seqlen_q, "q");
-  check(cu_k, kname, p.seqlen_k, "k and v");
+  check_cu_seqlens(fn, cu_k_in.empty() ? "cu_seqlens_q (as cu_seqlens_k)" : "cu_seqlens_k", cu_k,
+                   p.seqlen_k, "k and v");
   p.cu_q = cu_q.data();
   p.cu_k = cu_k.data();
   p.packed = static_cast<index_t>(cu_q.size()) - 1;
+}
+
+/// The (T, H, D) view of a (1, T, H, D) tensor (a packed batch).
+template <class T>
+TensorView<T, 3> drop_batch(const TensorView<T, 4>& t) {
+  return TensorView<T, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)},
+                          {t.stride(1), t.stride(2), t.stride(3)});
+}
+/// The (A, B) view of a (1, A, B) tensor.
+template <class T>
+TensorView<T, 2> drop_batch(const TensorView<T, 3>& t) {
+  return TensorView<T, 2>(t.data(), {t.shape(1), t.shape(2)}, {t.stride(1), t.stride(2)});
 }
 
 }  // namespace detail

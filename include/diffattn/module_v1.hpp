@@ -1,0 +1,487 @@
+// MultiheadDiffAttnV1: the differential attention layer with split heads
+// (Ye et al., ICLR 2025), with reference-compatible parameters.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention.hpp"
+#include "attention_backward.hpp"
+#include "config.hpp"
+#include "detail/format.hpp"
+#include "detail/module_common.hpp"
+#include "detail/random.hpp"
+#include "diff_weights.hpp"
+#include "lambda.hpp"
+#include "norm.hpp"
+#include "options.hpp"
+#include "packed.hpp"
+#include "rope.hpp"
+#include "softmax.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+/// Configuration of MultiheadDiffAttnV1.
+///
+/// With embedding width E and H DIFF heads each query/key half is d = E / (2H)
+/// wide and each value 2d: q_proj E -> E, k_proj and v_proj E -> E / (H / Hkv),
+/// out_proj E -> E. Same parameter count as a baseline layer with 2H heads.
+struct DiffAttnV1Config {
+  index_t embed_dim = 0;     ///< E, divisible by 2 * num_heads
+  index_t num_heads = 0;     ///< H, DIFF heads (half a baseline's heads)
+  index_t num_kv_heads = 0;  ///< Hkv, KV pairs for GQA; 0 means num_heads; H % Hkv == 0
+  int depth = 0;             ///< 0-based layer index; lambda_init(depth)
+  bool causal = true;        ///< causal mask over the sequence
+  bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; d even
+  bool norm_affine = true;   ///< learnable 2d weight of the per-head RMSNorm (subln.weight)
+  double rope_base = 10000;  ///< rotary base theta
+  /// Sliding window, as AttentionOptions::window_left / window_right (-1: no
+  /// limit): a causal layer whose tokens see the last W tokens, themselves
+  /// included, uses window_left = W - 1.
+  index_t window_left = -1;
+  index_t window_right = -1;
+};
+
+
+/// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
+enum class WeightLayout {
+  /// The Diff Transformer reference (microsoft/unilm): DIFF head h uses query
+  /// heads 2h and 2h+1, kv pair g key heads 2g and 2g+1 and value head g (2d
+  /// wide); rotary on interleaved feature pairs (2i, 2i+1). What save writes.
+  native,
+  /// Hugging Face transformers' DiffLlama (self_attn of DiffLlamaForCausalLM,
+  /// num_attention_heads = 2H, num_key_value_heads = 2Hkv, head_dim = d): the
+  /// two maps of DIFF head h are query heads h and h + H (first and second half
+  /// of the heads), keys g and g + Hkv, the value of pair g is heads g and
+  /// g + Hkv concatenated; rotary rotates feature i with i + d/2 (rotate-half).
+  /// Loading permutes the rows of q_proj, k_proj and v_proj into the native
+  /// order (the layer then computes exactly DiffLlama's attention), reads the
+  /// output projection from `o_proj.weight`, and, DiffLlama's groupnorm having
+  /// no weight, sets subln.weight to ones. Configure the layer with depth =
+  /// layer_idx and rope_base = rope_theta; checkpoints with attention_bias are
+  /// refused (the layer has no biases).
+  diffllama,
+};
+
+
+/// Differential attention layer, V1 (split heads; Ye et al., ICLR 2025):
+///
+///   q = rope(x Wq^T) (B, N, 2H, d),  k = rope(x Wk^T) (B, N, 2Hkv, d),  v = x Wv^T (B, N, Hkv, 2d)
+///   a = diff_attention_v1(q, k, v, lambda_full)                          (B, N, H, 2d)
+///   y = ((1 - lambda_init) * RMSNorm_2d(a)) reshaped (B, N, E) Wout^T    (B, N, E)
+///
+/// lambda_full = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init(depth).
+/// Parameters carry the reference's state_dict names and shapes (nn.Linear
+/// weights are (out_features, in_features)); T is float or double.
+template <class T>
+class MultiheadDiffAttnV1 {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "MultiheadDiffAttnV1<T>: T is float or double");
+
+ public:
+  using value_type = T;
+  using config_type = DiffAttnV1Config;
+
+  /// Builds the layer and initialises it as the reference does, deterministically
+  /// from `seed`: projections U(-1/sqrt(E), 1/sqrt(E)) (nn.Linear's default),
+  /// the four lambda vectors N(0, 0.1^2), subln.weight ones. Throws
+  /// diffattn::error for a bad configuration.
+  explicit MultiheadDiffAttnV1(const DiffAttnV1Config& config, std::uint64_t seed = 0)
+      : cfg_(checked(config)),
+        d_(cfg_.embed_dim / (2 * cfg_.num_heads)),
+        lambda_init_(diffattn::lambda_init(cfg_.depth)),
+        q_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        k_proj_({kv_width(), cfg_.embed_dim}),
+        v_proj_({kv_width(), cfg_.embed_dim}),
+        out_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        lambda_q1_({d_}),
+        lambda_k1_({d_}),
+        lambda_q2_({d_}),
+        lambda_k2_({d_}),
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
+        grads_(parameter_shapes(cfg_)) {
+    detail::Rng rng(seed);
+    const index_t e = cfg_.embed_dim;
+    detail::module_init_linear(rng, q_proj_.data(), e, e);
+    detail::module_init_linear(rng, k_proj_.data(), kv_width(), e);
+    detail::module_init_linear(rng, v_proj_.data(), kv_width(), e);
+    detail::module_init_linear(rng, out_proj_.data(), e, e);
+    for (Tensor<T, 1>* l : {&lambda_q1_, &lambda_k1_, &lambda_q2_, &lambda_k2_})
+      detail::module_init_normal(rng, l->data(), d_, 0.1);
+    subln_weight_.fill(T(1));
+  }
+
+  /// The configuration, num_kv_heads resolved (never 0).
+  const DiffAttnV1Config& config() const noexcept { return cfg_; }
+  /// d = E / (2H), the width of one query/key half (values are 2d wide).
+  index_t head_dim() const noexcept { return d_; }
+  /// lambda_init(depth), fixed by the configuration.
+  double lambda_init() const noexcept { return lambda_init_; }
+  /// The current lambda_full from the four lambda vectors (throws if not finite).
+  T lambda_full() const {
+    return diffattn::lambda_full<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
+  }
+  /// Threads of the attention kernel and the projections (0: the OpenMP
+  /// default); results are bitwise identical for any count.
+  void set_num_threads(int n) {
+    if (n < 0) detail::fail("MultiheadDiffAttnV1::set_num_threads", "n must be >= 0, got ", n);
+    num_threads_ = n;
+  }
+
+  /// Runs the layer on x (B, N, E) (any strides) and returns y (B, N, E),
+  /// contiguous. Tokens sit at positions position_offset .. position_offset + N - 1
+  /// for the rotary embedding (a block of new tokens after N0 earlier ones uses
+  /// offset N0); keys and values come from x alone. The causal mask, when on,
+  /// lets token i see tokens j <= i. Keeps the projections, the kernel's
+  /// log-sum-exp and the norm statistics (O(B N E), never N x N) for the
+  /// backward pass. Throws diffattn::error when x's last extent is not E or the
+  /// offset is negative.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
+    check_input(fn, x);
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    return run_forward(x, position_offset, nullptr);
+  }
+
+  /// Runs the layer on a packed batch: x (1, T, E) holds seqs.size()
+  /// sequences back to back (token rows [cu_seqlens_q[s], cu_seqlens_q[s + 1])),
+  /// each attending only to itself (causal and window per sequence), its
+  /// rotary positions starting at 0. Equals forward on each sequence alone;
+  /// backward(dy) follows it as it follows forward. cu_seqlens_k must be empty
+  /// or equal to cu_seqlens_q.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, const PackedSequences& seqs) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
+    check_input(fn, x);
+    detail::module_check_packed(fn, x, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+    return run_forward(x, 0, &seqs);
+  }
+
+  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides)
+  /// and returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to
+  /// every gradient buffer (see gradients()): through out_proj, the
+  /// (1 - lambda_init) scale and the per-head RMSNorm (input and subln.weight),
+  /// the attention kernel (q, k, v and lambda_full, and from lambda_full into
+  /// the four lambda vectors), the inverse rotary rotation and the projections.
+  /// The forward's state is kept: a second backward after one forward adds the
+  /// same gradients again. Parameters must not change between forward and
+  /// backward. An empty batch or sequence returns an empty dx and adds
+  /// nothing. Throws diffattn::error when no forward ran yet or dy's shape is
+  /// not the forward output's.
+  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::backward";
+    if (!saved_.valid) detail::fail(fn, "backward called before forward");
+    if (dy.shape() != saved_.x.shape())
+      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
+                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
+    if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
+    const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
+
+    Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    detail::module_linear_backward(saved_.normed.data(), rows, e, out_proj_.data(), e, g.data(),
+                                   grads_.at("out_proj.weight"), dnormed.data(), false,
+                                   num_threads_);
+    Tensor<T, 4> dattn({b, n, h, 2 * d_});                 // (B, N, H, 2d)
+    Tensor<T, 1> dsubln({cfg_.norm_affine ? 2 * d_ : 0});  // (2d) or (0)
+    rms_norm_backward<T>(saved_.attn, subln_weight_, saved_.inv_rms, dnormed, dattn.view(),
+                         dsubln.view(), 1.0 - lambda_init_);
+    if (cfg_.norm_affine) detail::module_add(grads_.at("subln.weight"), dsubln.data(), 2 * d_);
+
+    Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
+    T dlambda = 0;
+    const T lambda = static_cast<T>(saved_.lambda.value());
+    if (saved_.packed) {
+      using detail::drop_batch;
+      diff_attention_v1_varlen_backward<T>(
+          drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
+          lambda, drop_batch(saved_.attn.cview()), drop_batch(saved_.lse.cview()),
+          drop_batch(dattn.cview()), drop_batch(dq.view()), drop_batch(dk.view()),
+          drop_batch(dv.view()), dlambda, saved_.seqs, options());
+    } else {
+      diff_attention_v1_backward<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn, saved_.lse,
+                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options());
+    }
+    // lambda_full = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
+    const double g1 = static_cast<double>(dlambda) * saved_.lambda.e1;
+    const double g2 = -static_cast<double>(dlambda) * saved_.lambda.e2;
+    T* dq1 = grads_.at("lambda_q1");
+    T* dk1 = grads_.at("lambda_k1");
+    T* dq2 = grads_.at("lambda_q2");
+    T* dk2 = grads_.at("lambda_k2");
+    for (index_t i = 0; i < d_; ++i) {
+      dq1[i] += static_cast<T>(g1 * static_cast<double>(lambda_k1_(i)));
+      dk1[i] += static_cast<T>(g1 * static_cast<double>(lambda_q1_(i)));
+      dq2[i] += static_cast<T>(g2 * static_cast<double>(lambda_k2_(i)));
+      dk2[i] += static_cast<T>(g2 * static_cast<double>(lambda_q2_(i)));
+    }
+    // A rotation is orthogonal: its gradient is the inverse rotation.
+    if (cfg_.rope) {
+      const auto* cu = saved_.packed ? &saved_.seqs.cu_seqlens_q : nullptr;
+      detail::module_rope<T>(dq.view(), saved_.position_offset, cu, cfg_.rope_base, true);
+      detail::module_rope<T>(dk.view(), saved_.position_offset, cu, cfg_.rope_base, true);
+    }
+    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
+    const T* xs = saved_.x.data();
+    detail::module_linear_backward(xs, rows, e, q_proj_.data(), e, dq.data(),
+                                   grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
+    detail::module_linear_backward(xs, rows, e, k_proj_.data(), kv_width(), dk.data(),
+                                   grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
+    detail::module_linear_backward(xs, rows, e, v_proj_.data(), kv_width(), dv.data(),
+                                   grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
+    return dx;
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened exactly
+  /// as parameters() (same names, sizes and order), so an optimizer pairs them
+  /// by name. The views write through; zero_grad() clears them.
+  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
+  /// Sets every gradient to zero (backward adds to them).
+  void zero_grad() { grads_.zero(); }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
+  /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
+  /// 1 - lambda_full; masked entries 0 under the causal mask). Costs O(B H N^2)
+  /// memory; leaves the state kept for backward untouched. Same arguments and
+  /// errors as forward.
+  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV1::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<T, 4> q, k, v;
+    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
+    const T lambda = lambda_full();
+    Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
+    const index_t group = h / cfg_.num_kv_heads;
+    const detail::KeyBand band = detail::band_of(options());
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = hi / group;
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, 2 * gi, band);
+        const Matrix<T> a2 =
+            detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, 2 * gi + 1, band);
+        detail::module_store_map<T>(a1 - lambda * a2, w, bi, hi);
+      }
+    return w;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major as
+  /// PyTorch stores it: q_proj.weight (E*E), k_proj.weight and v_proj.weight
+  /// (E/(H/Hkv) * E), out_proj.weight (E*E), lambda_q1, lambda_k1, lambda_q2,
+  /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
+  /// write through to the layer.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it
+  /// (for sizing a large model). Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV1Config& config) {
+    std::map<std::string, std::vector<index_t>> out;
+    for (auto& p : param_list(checked(config), nullptr)) out[p.name] = p.shape;
+    return out;
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from the tensors prefix + name of a safetensors file
+  /// (F32, F64, F16 or BF16, converted to T), e.g. prefix
+  /// "model.layers.3.self_attn.". Extra tensors are ignored. When a tensor is
+  /// missing, has another shape or a non-float dtype, or the file is unreadable
+  /// or corrupt, diffattn::error names the file and the tensors (with both
+  /// shapes) and no parameter is changed. `layout` selects the row order and
+  /// names of the checkpoint (see WeightLayout).
+  void load_safetensors(const std::string& path, const std::string& prefix = "",
+                        WeightLayout layout = WeightLayout::native) {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    if (layout == WeightLayout::diffllama) {
+      src["q_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_heads, d_);
+      src["k_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_kv_heads, d_);
+      src["v_proj.weight"].row_perm = detail::module_diffllama_v_perm(cfg_.num_kv_heads, d_);
+      src["out_proj.weight"].file_name = "o_proj.weight";
+      if (cfg_.norm_affine) src["subln.weight"] = detail::ModuleSource{"", false, 1, {}};
+    }
+    detail::module_load<T>("MultiheadDiffAttnV1::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32 or F64), in the
+  /// native layout, with metadata {"format": "pt"}: the file loads with
+  /// safetensors.torch.load_file into the reference module's state_dict.
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV1*>(this)->param_list());
+  }
+
+ private:
+  static constexpr double kNormEps = 1e-5;
+
+  // What the last forward keeps for the backward pass.
+  struct Saved {
+    Tensor<T, 3> x;        // (B, N, E) the input, contiguous
+    Tensor<T, 4> q, k, v;  // (B, N, 2H, d), (B, N, 2Hkv, d) after rope; (B, N, Hkv, 2d)
+    Tensor<T, 4> attn;     // (B, N, H, 2d) kernel output, before the norm
+    Tensor<T, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+    Tensor<T, 4> normed;   // (B, N, H, 2d) out_proj's input
+    Tensor<T, 3> inv_rms;  // (B, N, H)
+    LambdaTerms lambda;
+    index_t position_offset = 0;
+    bool packed = false;    // a packed batch: B = 1, sequences in `seqs`
+    PackedSequences seqs;
+    bool valid = false;
+  };
+
+  void check_input(const char* fn, const TensorView<const T, 3>& x) const {
+    if (x.shape(2) != cfg_.embed_dim)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ",
+                   cfg_.embed_dim, ")");
+  }
+
+  // The forward pass; seqs (a packed batch) or position_offset place the
+  // tokens for the rotary embedding.
+  Tensor<T, 3> run_forward(TensorView<const T, 3> x, index_t position_offset,
+                           const PackedSequences* seqs) {
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+    saved_ = Saved{};
+    if (seqs) {
+      saved_.packed = true;
+      saved_.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
+    }
+    saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
+    project(saved_.x, position_offset, seqs ? &saved_.seqs.cu_seqlens_q : nullptr, saved_.q,
+            saved_.k, saved_.v);
+    saved_.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
+    saved_.attn = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.lse = Tensor<T, 3>({b, 2 * h, n});       // (B, 2H, N)
+    const T lambda = static_cast<T>(saved_.lambda.value());
+    if (seqs) {
+      using detail::drop_batch;
+      diff_attention_v1_varlen<T>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
+                                  drop_batch(saved_.v.cview()), lambda,
+                                  drop_batch(saved_.attn.view()), drop_batch(saved_.lse.view()),
+                                  saved_.seqs, options());
+    } else {
+      diff_attention_v1<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn.view(),
+                           saved_.lse.view(), options());
+    }
+    saved_.normed = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.inv_rms = Tensor<T, 3>({b, n, h});         // (B, N, H)
+    rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), kNormEps, 1.0 - lambda_init_,
+                saved_.inv_rms.view());
+    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    detail::module_linear(saved_.normed.data(), rows, e, out_proj_.data(), e, y.data(),
+                          num_threads_);
+    saved_.position_offset = position_offset;
+    saved_.valid = true;
+    return y;
+  }
+
+  static DiffAttnV1Config checked(DiffAttnV1Config c) {
+    constexpr const char* fn = "MultiheadDiffAttnV1";
+    if (c.embed_dim < 1) detail::fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
+    if (c.num_heads < 1) detail::fail(fn, "num_heads must be >= 1, got ", c.num_heads);
+    if (c.num_kv_heads < 0)
+      detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
+    if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+    if (c.embed_dim % (2 * c.num_heads) != 0)
+      detail::fail(fn, "embed_dim ", c.embed_dim,
+                   " is not divisible by 2 * num_heads = ", 2 * c.num_heads, " (d = E / (2H))");
+    if (c.num_heads % c.num_kv_heads != 0)
+      detail::fail(fn, "num_heads ", c.num_heads, " is not a multiple of num_kv_heads ",
+                   c.num_kv_heads);
+    if (c.depth < 0) detail::fail(fn, "depth must be >= 0 (0-based layer index), got ", c.depth);
+    const index_t d = c.embed_dim / (2 * c.num_heads);
+    if (c.rope && d % 2 != 0)
+      detail::fail(fn, "rope needs an even head width, got d = E / (2H) = ", d);
+    if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+      detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
+    return c;
+  }
+
+  index_t kv_width() const noexcept {
+    return cfg_.embed_dim / (cfg_.num_heads / cfg_.num_kv_heads);
+  }
+
+  // q (B, N, 2H, d) and k (B, N, 2Hkv, d) after rope, v (B, N, Hkv, 2d), from
+  // the contiguous x (B, N, E).
+  void project(const Tensor<T, 3>& x, index_t position_offset, const std::vector<index_t>* cu,
+               Tensor<T, 4>& q, Tensor<T, 4>& k, Tensor<T, 4>& v) const {
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
+    q = Tensor<T, 4>({b, n, 2 * cfg_.num_heads, d_});
+    k = Tensor<T, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
+    v = Tensor<T, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), e, q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data(), num_threads_);
+    if (cfg_.rope) {
+      detail::module_rope<T>(q.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<T>(k.view(), position_offset, cu, cfg_.rope_base, false);
+    }
+  }
+
+  AttentionOptions options() const {
+    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+  }
+
+  std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
+
+  // The parameters of a layer with the checked config c; data pointers are those
+  // of `self`, or null when only the shapes are wanted.
+  static std::vector<detail::ModuleParam<T>> param_list(const DiffAttnV1Config& c,
+                                                        MultiheadDiffAttnV1* self) {
+    const index_t e = c.embed_dim, d = e / (2 * c.num_heads);
+    const index_t kv = e / (c.num_heads / c.num_kv_heads);
+    auto ptr = [self](Tensor<T, 2> MultiheadDiffAttnV1::*w) {
+      return self ? (self->*w).data() : nullptr;
+    };
+    auto vptr = [self](Tensor<T, 1> MultiheadDiffAttnV1::*w) {
+      return self ? (self->*w).data() : nullptr;
+    };
+    std::vector<detail::ModuleParam<T>> l = {
+        {"q_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::q_proj_)},
+        {"k_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::k_proj_)},
+        {"v_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::v_proj_)},
+        {"out_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::out_proj_)},
+        {"lambda_q1", {d}, vptr(&MultiheadDiffAttnV1::lambda_q1_)},
+        {"lambda_k1", {d}, vptr(&MultiheadDiffAttnV1::lambda_k1_)},
+        {"lambda_q2", {d}, vptr(&MultiheadDiffAttnV1::lambda_q2_)},
+        {"lambda_k2", {d}, vptr(&MultiheadDiffAttnV1::lambda_k2_)}};
+    if (c.norm_affine)
+      l.push_back({"subln.weight", {2 * d}, vptr(&MultiheadDiffAttnV1::subln_weight_)});
+    return l;
+  }
+
+  DiffAttnV1Config cfg_;
+  index_t d_;
+  double lambda_init_;
+  Tensor<T, 2> q_proj_;                                         // (E, E)
+  Tensor<T, 2> k_proj_;                                         // (E / (H / Hkv), E)
+  Tensor<T, 2> v_proj_;                                         // (E / (H / Hkv), E)
+  Tensor<T, 2> out_proj_;                                       // (E, E)
+  Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
+  Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
+  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
+  int num_threads_ = 0;
+  Saved saved_;
+};
+
+DIFFATTN_END_NAMESPACE

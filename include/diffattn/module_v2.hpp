@@ -1,0 +1,371 @@
+// MultiheadDiffAttnV2: the differential attention layer with doubled query
+// heads (DIFF V2), with reference-compatible parameters.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention.hpp"
+#include "attention_backward.hpp"
+#include "config.hpp"
+#include "detail/format.hpp"
+#include "detail/module_common.hpp"
+#include "detail/random.hpp"
+#include "diff_weights.hpp"
+#include "lambda.hpp"
+#include "norm.hpp"
+#include "options.hpp"
+#include "packed.hpp"
+#include "rope.hpp"
+#include "softmax.hpp"
+#include "tensor.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+
+/// Configuration of MultiheadDiffAttnV2.
+///
+/// q_proj E -> 2H * head_dim, k_proj and v_proj E -> Hkv * head_dim,
+/// lambda_proj E -> H, o_proj H * head_dim -> E.
+struct DiffAttnV2Config {
+  index_t embed_dim = 0;     ///< E
+  index_t num_heads = 0;     ///< H, output (DIFF) heads; 2H query heads
+  index_t num_kv_heads = 0;  ///< Hkv; 0 means num_heads; H % Hkv == 0 keeps pairs in a group
+  index_t head_dim = 0;      ///< width of every q/k/v head; 0 means E / num_heads
+  bool causal = true;        ///< causal mask over the sequence
+  bool rope = true;          ///< rotary embedding (interleaved pairs) on q and k; head_dim even
+  double rope_base = 10000;  ///< rotary base theta
+  /// Sliding window, as in DiffAttnV1Config.
+  index_t window_left = -1;
+  index_t window_right = -1;
+};
+
+
+/// Differential attention layer, V2 (doubled query heads):
+///
+///   q = rope(x Wq^T) (B, N, 2H, hd),  k = rope(x Wk^T), v = x Wv^T  (B, N, Hkv, hd)
+///   lambda_logit = x Wlambda^T                                      (B, N, H)
+///   a = diff_attention_v2(q, k, v, lambda_logit)                    (B, N, H, hd)
+///     = attn(q_2h) - sigmoid(lambda_logit_h) attn(q_2h+1), both in kv group h / (H / Hkv)
+///   y = a reshaped (B, N, H * hd) Wo^T                              (B, N, E)
+///
+/// No per-head norm. The KV cache per token (2 Hkv hd values) is the baseline's.
+template <class T>
+class MultiheadDiffAttnV2 {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "MultiheadDiffAttnV2<T>: T is float or double");
+
+ public:
+  using value_type = T;
+  using config_type = DiffAttnV2Config;
+
+  /// Builds the layer with nn.Linear's default initialisation for all five
+  /// projections, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), deterministic from `seed`.
+  /// Throws diffattn::error for a bad configuration.
+  explicit MultiheadDiffAttnV2(const DiffAttnV2Config& config, std::uint64_t seed = 0)
+      : cfg_(checked(config)),
+        q_proj_({2 * cfg_.num_heads * cfg_.head_dim, cfg_.embed_dim}),
+        k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
+        grads_(parameter_shapes(cfg_)) {
+    detail::Rng rng(seed);
+    for (Tensor<T, 2>* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_, &lambda_proj_})
+      detail::module_init_linear(rng, w->data(), w->shape(0), w->shape(1));
+  }
+
+  /// The configuration, num_kv_heads and head_dim resolved (never 0).
+  const DiffAttnV2Config& config() const noexcept { return cfg_; }
+  /// Width of every query, key and value head.
+  index_t head_dim() const noexcept { return cfg_.head_dim; }
+  /// Threads of the attention kernel and the projections (0: the OpenMP
+  /// default); results are bitwise identical for any count.
+  void set_num_threads(int n) {
+    if (n < 0) detail::fail("MultiheadDiffAttnV2::set_num_threads", "n must be >= 0, got ", n);
+    num_threads_ = n;
+  }
+
+  /// Runs the layer on x (B, N, E) (any strides); returns y (B, N, E), contiguous.
+  /// position_offset and the kept state as in MultiheadDiffAttnV1::forward.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
+    check_input(fn, x);
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    return run_forward(x, position_offset, nullptr);
+  }
+
+  /// Runs the layer on a packed batch x (1, T, E); as MultiheadDiffAttnV1's.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, const PackedSequences& seqs) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
+    check_input(fn, x);
+    detail::module_check_packed(fn, x, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+    return run_forward(x, 0, &seqs);
+  }
+
+  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides),
+  /// returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to every
+  /// gradient buffer: through o_proj, the kernel (q, k, v and, through the
+  /// sigmoid, the lambda logits into lambda_proj.weight and x), the inverse
+  /// rotary rotation and the projections. State and errors as
+  /// MultiheadDiffAttnV1::backward: a second backward after one forward adds
+  /// the same gradients again.
+  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::backward";
+    if (!saved_.valid) detail::fail(fn, "backward called before forward");
+    if (dy.shape() != saved_.x.shape())
+      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
+                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
+    const index_t hd = cfg_.head_dim;
+    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
+    if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
+    const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
+
+    Tensor<T, 4> dattn({b, n, h, hd});  // (B, N, H, hd)
+    detail::module_linear_backward(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, g.data(),
+                                   grads_.at("o_proj.weight"), dattn.data(), false, num_threads_);
+    Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
+    Tensor<T, 3> dlogit({b, n, h});  // (B, N, H)
+    if (saved_.packed) {
+      using detail::drop_batch;
+      diff_attention_v2_varlen_backward<T>(
+          drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
+          drop_batch(saved_.lambda_logit.cview()), drop_batch(saved_.attn.cview()),
+          drop_batch(saved_.lse.cview()), drop_batch(dattn.cview()), drop_batch(dq.view()),
+          drop_batch(dk.view()), drop_batch(dv.view()), drop_batch(dlogit.view()), saved_.seqs,
+          options());
+    } else {
+      diff_attention_v2_backward<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn,
+                                    saved_.lse, dattn, dq.view(), dk.view(), dv.view(),
+                                    dlogit.view(), options());
+    }
+    // A rotation is orthogonal: its gradient is the inverse rotation.
+    if (cfg_.rope) {
+      const auto* cu = saved_.packed ? &saved_.seqs.cu_seqlens_q : nullptr;
+      detail::module_rope<T>(dq.view(), saved_.position_offset, cu, cfg_.rope_base, true);
+      detail::module_rope<T>(dk.view(), saved_.position_offset, cu, cfg_.rope_base, true);
+    }
+    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
+    const T* xs = saved_.x.data();
+    detail::module_linear_backward(xs, rows, e, q_proj_.data(), 2 * h * hd, dq.data(),
+                                   grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
+    detail::module_linear_backward(xs, rows, e, k_proj_.data(), hkv * hd, dk.data(),
+                                   grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
+    detail::module_linear_backward(xs, rows, e, v_proj_.data(), hkv * hd, dv.data(),
+                                   grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
+    detail::module_linear_backward(xs, rows, e, lambda_proj_.data(), h, dlogit.data(),
+                                   grads_.at("lambda_proj.weight"), dx.data(), true, num_threads_);
+    return dx;
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened as
+  /// parameters(). The views write through; zero_grad() clears them.
+  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
+  /// Sets every gradient to zero (backward adds to them).
+  void zero_grad() { grads_.zero(); }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// W (B, H, N, N), row i of W[b, h] = A_2h[i] - sigmoid(lambda_logit[b, i, h]) A_2h+1[i]
+  /// (rows sum to 1 - lambda of their token). O(B H N^2) memory; the state kept
+  /// for backward is untouched. Same arguments and errors as forward.
+  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV2::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<T, 4> q, k, v;
+    Tensor<T, 3> logit;
+    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v, logit);
+    Tensor<T, 4> w({b, h, n, n});                     // (B, H, N, N)
+    const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
+    const detail::KeyBand band = detail::band_of(options());
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = 2 * hi / group;
+        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, gi, band);
+        Matrix<T> a2 = detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, gi, band);
+        for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<T>(logit(bi, i, hi));
+        detail::module_store_map<T>(a1 - a2, w, bi, hi);
+      }
+    return w;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major:
+  /// q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd, E),
+  /// o_proj.weight (E, H*hd), lambda_proj.weight (H, E). The views write through.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it.
+  /// Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV2Config& config) {
+    const DiffAttnV2Config c = checked(config);
+    const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
+    return {{"q_proj.weight", {2 * h * hd, e}},
+            {"k_proj.weight", {hkv * hd, e}},
+            {"v_proj.weight", {hkv * hd, e}},
+            {"o_proj.weight", {e, h * hd}},
+            {"lambda_proj.weight", {h, e}}};
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from prefix + name; same rules and errors as
+  /// MultiheadDiffAttnV1::load_safetensors (native layout only).
+  void load_safetensors(const std::string& path, const std::string& prefix = "") {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    detail::module_load<T>("MultiheadDiffAttnV2::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32 or F64).
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV2*>(this)->param_list());
+  }
+
+ private:
+  struct Saved {
+    Tensor<T, 3> x;        // (B, N, E)
+    Tensor<T, 4> q, k, v;  // (B, N, 2H, hd) after rope, (B, N, Hkv, hd) after rope, (B, N, Hkv, hd)
+    Tensor<T, 3> lambda_logit;  // (B, N, H)
+    Tensor<T, 4> attn;          // (B, N, H, hd) o_proj's input
+    Tensor<T, 3> lse;           // (B, 2H, N)
+    index_t position_offset = 0;
+    bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
+    PackedSequences seqs;
+    bool valid = false;
+  };
+
+  void check_input(const char* fn, const TensorView<const T, 3>& x) const {
+    if (x.shape(2) != cfg_.embed_dim)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ",
+                   cfg_.embed_dim, ")");
+  }
+
+  // The forward pass; seqs (a packed batch) or position_offset place the
+  // tokens for the rotary embedding.
+  Tensor<T, 3> run_forward(TensorView<const T, 3> x, index_t position_offset,
+                           const PackedSequences* seqs) {
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hd = cfg_.head_dim;
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+    saved_ = Saved{};
+    if (seqs) {
+      saved_.packed = true;
+      saved_.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
+    }
+    saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
+    project(saved_.x, position_offset, seqs ? &saved_.seqs.cu_seqlens_q : nullptr, saved_.q,
+            saved_.k, saved_.v, saved_.lambda_logit);
+    saved_.attn = Tensor<T, 4>({b, n, h, hd});  // (B, N, H, hd)
+    saved_.lse = Tensor<T, 3>({b, 2 * h, n});   // (B, 2H, N)
+    if (seqs) {
+      using detail::drop_batch;
+      diff_attention_v2_varlen<T>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
+                                  drop_batch(saved_.v.cview()),
+                                  drop_batch(saved_.lambda_logit.cview()),
+                                  drop_batch(saved_.attn.view()), drop_batch(saved_.lse.view()),
+                                  saved_.seqs, options());
+    } else {
+      diff_attention_v2<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
+                           saved_.lse.view(), options());
+    }
+    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    detail::module_linear(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, y.data(),
+                          num_threads_);
+    saved_.position_offset = position_offset;
+    saved_.valid = true;
+    return y;
+  }
+
+  static DiffAttnV2Config checked(DiffAttnV2Config c) {
+    constexpr const char* fn = "MultiheadDiffAttnV2";
+    if (c.embed_dim < 1) detail::fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
+    if (c.num_heads < 1) detail::fail(fn, "num_heads must be >= 1, got ", c.num_heads);
+    if (c.num_kv_heads < 0)
+      detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
+    if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+    if (c.head_dim < 0)
+      detail::fail(fn, "head_dim must be >= 0 (0: E / num_heads), got ", c.head_dim);
+    if (c.head_dim == 0) {
+      if (c.embed_dim % c.num_heads != 0)
+        detail::fail(fn, "embed_dim ", c.embed_dim, " is not divisible by num_heads ", c.num_heads,
+                     " (head_dim 0 means E / num_heads)");
+      c.head_dim = c.embed_dim / c.num_heads;
+    }
+    if (c.num_heads % c.num_kv_heads != 0)
+      detail::fail(fn, "num_heads ", c.num_heads, " is not a multiple of num_kv_heads ",
+                   c.num_kv_heads, " (both query heads of a DIFF head must share a kv group)");
+    if (c.rope && c.head_dim % 2 != 0)
+      detail::fail(fn, "rope needs an even head_dim, got ", c.head_dim);
+    if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+      detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+    detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
+    return c;
+  }
+
+  AttentionOptions options() const {
+    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+  }
+
+  // q (B, N, 2H, hd) and k (B, N, Hkv, hd) after rope, v (B, N, Hkv, hd) and
+  // lambda_logit (B, N, H), from the contiguous x (B, N, E).
+  void project(const Tensor<T, 3>& x, index_t position_offset, const std::vector<index_t>* cu,
+               Tensor<T, 4>& q, Tensor<T, 4>& k, Tensor<T, 4>& v,
+               Tensor<T, 3>& lambda_logit) const {
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
+    const index_t h = cfg_.num_heads, hkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
+    q = Tensor<T, 4>({b, n, 2 * h, hd});
+    k = Tensor<T, 4>({b, n, hkv, hd});
+    v = Tensor<T, 4>({b, n, hkv, hd});
+    lambda_logit = Tensor<T, 3>({b, n, h});
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, k.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, v.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, lambda_logit.data(),
+                          num_threads_);
+    if (cfg_.rope) {
+      detail::module_rope<T>(q.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<T>(k.view(), position_offset, cu, cfg_.rope_base, false);
+    }
+  }
+
+  std::vector<detail::ModuleParam<T>> param_list() {
+    const std::map<std::string, Tensor<T, 2>*> storage = {{"q_proj.weight", &q_proj_},
+                                                          {"k_proj.weight", &k_proj_},
+                                                          {"v_proj.weight", &v_proj_},
+                                                          {"o_proj.weight", &o_proj_},
+                                                          {"lambda_proj.weight", &lambda_proj_}};
+    std::vector<detail::ModuleParam<T>> l;
+    for (const auto& kv : parameter_shapes(cfg_))
+      l.push_back({kv.first, kv.second, storage.at(kv.first)->data()});
+    return l;
+  }
+
+  DiffAttnV2Config cfg_;
+  Tensor<T, 2> q_proj_;           // (2H * hd, E)
+  Tensor<T, 2> k_proj_;           // (Hkv * hd, E)
+  Tensor<T, 2> v_proj_;           // (Hkv * hd, E)
+  Tensor<T, 2> o_proj_;           // (E, H * hd)
+  Tensor<T, 2> lambda_proj_;      // (H, E)
+  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
+  int num_threads_ = 0;
+  Saved saved_;
+};
+
+DIFFATTN_END_NAMESPACE
