@@ -15,34 +15,11 @@
 #include <diffattn/diffattn.hpp>
 #include <diffattn/detail/random.hpp>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "bench_common.hpp"
 
 namespace {
 
-using diffattn::index_t;
-using diffattn::Tensor;
-
-constexpr index_t kHeadDim = 64;
-
-Tensor<float, 4> random4(std::array<index_t, 4> shape, std::uint64_t seed) {
-  Tensor<float, 4> t(shape);
-  diffattn::detail::Rng rng(seed);
-  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(rng.normal());
-  return t;
-}
-
-double visible_pairs(index_t n) {
-  return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
-}
-
-void set_counters(benchmark::State& state, double flops, double bytes) {
-  state.counters["GFLOPS"] = benchmark::Counter(
-      flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
-  state.counters["bytes"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
-}
+using namespace bench;
 
 diffattn::AttentionOptions options(const benchmark::State& state, bool fused) {
   diffattn::AttentionOptions o;
@@ -206,33 +183,6 @@ void BM_Reference_V2(benchmark::State& s) { v2<false>(s); }
 void BM_Fused_Plain(benchmark::State& s) { plain<true>(s); }
 void BM_Reference_Plain(benchmark::State& s) { plain<false>(s); }
 
-/// What the FMA units can do: 12 independent packet FMA chains per thread.
-void BM_FmaPeak(benchmark::State& state) {
-  using Packet = diffattn::detail::TileConfig<float>::Packet;
-  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
-  const int threads = static_cast<int>(state.range(0));
-  const long iters = 20'000'000;
-  for (auto _ : state) {
-    float sink = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-#endif
-    {
-      using namespace Eigen::internal;
-      const Packet a = pset1<Packet>(1.0000001f), b = pset1<Packet>(1e-7f);
-      Packet c[12];
-      for (auto& x : c) x = pset1<Packet>(0.5f);
-      for (long i = 0; i < iters; ++i)
-        for (auto& x : c) x = pmadd(x, a, b);
-      Packet s = c[0];
-      for (int j = 1; j < 12; ++j) s = padd(s, c[j]);
-      sink += predux(s);
-    }
-    benchmark::DoNotOptimize(sink);
-  }
-  set_counters(state, 2.0 * P * 12.0 * static_cast<double>(iters) * threads, 0);
-}
-
 void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
   for (long threads : {1, 2})
     for (long n : ns) b->Args({n, threads});
@@ -241,7 +191,7 @@ void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
 
 }  // namespace
 
-BENCHMARK(BM_FmaPeak)->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(bench::BM_FmaPeak)->Arg(1)->Arg(2)->UseRealTime();
 BENCHMARK(BM_Fused_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
 BENCHMARK(BM_Fused_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
 BENCHMARK(BM_Fused_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
