@@ -118,6 +118,7 @@ BENCHMARK(BM_Fused_V1Causal)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Fused_V1Window)
+    ->Args({4096, 511, 2})
     ->Args({16384, 511, 1})
     ->Args({16384, 511, 2})
     ->Args({16384, 127, 2})

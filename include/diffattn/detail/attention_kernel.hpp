@@ -10,8 +10,8 @@
 //      sliding window: see mask.hpp);
 //   4. per row, an exact softmax of each map and W = A1 - lambda A2, written
 //      over S_1 (the row's log-sum-exp per map goes to lse);
-//   5. O = W V in key chunks of kBlockN, each value chunk packed once and read
-//      once for both maps.
+//   5. O = W V in key chunks of kBlockN; values are packed with the keys (once
+//      per kv head and key range, not per block) and read once for both maps.
 // This does exactly the useful work (both maps' scores and one product of W
 // with V) at O(kBlockM x M) memory per thread (O(kBlockM x (kBlockM + W))
 // under a window of W keys). A single-pass streaming
@@ -167,7 +167,7 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
     std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, T(0));
   }
 
-  // 2. Key panels of [kbase, kend_block), reused while the same (call,
+  // 2. Key and value panels of [kbase, kend_block), reused while the same (call,
   //    sequence, kv group) holds them: consecutive blocks of one head (and
   //    every block under a plain causal mask, the last one packing all keys).
   const int kbufs = shared_k ? 1 : 2;
@@ -175,13 +175,21 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
                       ws.packed_group == hm.group && ws.packed_begin <= kbase &&
                       ws.packed_end >= kend_block;
   if (!Direct && !cached && kend_block > kbase) {
+    // Under a window the band slides left block by block (blocks run last to
+    // first): pack kPackAhead blocks' worth of keys further left as well, so
+    // that the next blocks this thread takes find their keys packed.
+    const index_t pbegin = std::max<index_t>(0, kbase - Cfg::kPackAhead * BM) / NR * NR;
+    const index_t prows = kend_block - pbegin;
     for (int m = 0; m < kbufs; ++m)
-      pack_rows_transposed(&p.k(sq.b, sq.k0 + kbase, hm.k[m], 0), p.k.stride(1),
-                           kend_block - kbase, d, ws.k[m].get(lds * d));
+      pack_rows_transposed(&p.k(sq.b, sq.k0 + pbegin, hm.k[m], 0), p.k.stride(1), prows, d,
+                           ws.k[m].get(round_up(prows, NR) * d));
+    // Values of the same keys in column panels, read by O = W V.
+    pack_cols(&p.v(sq.b, sq.k0 + pbegin, hm.v, 0), p.v.stride(1), prows, dv,
+              ws.v.get(prows * round_up(dv, NR)));
     ws.packed_call = call_id;
     ws.packed_seq = seq;
     ws.packed_group = hm.group;
-    ws.packed_begin = kbase;
+    ws.packed_begin = pbegin;
     ws.packed_end = kend_block;
   }
 
@@ -229,10 +237,12 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   if constexpr (Direct) {
     direct_output(p, sq, hm.v, br, kbase, s[0], lds, o, dvp);
   } else {
+    // Value panel c0 holds the packed keys' rows at vp + c0 * prows, key j at
+    // row j - packed_begin. Chunks of kBlockN keys keep what the tiles share in L2.
+    const index_t prows = ws.packed_end - ws.packed_begin, pb = ws.packed_begin;
+    const T* vp = ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
     for (index_t j0 = kbase; j0 < kend_block; j0 += BN) {
-      const index_t j1 = std::min(j0 + BN, kend_block), kc = j1 - j0;
-      T* vp = ws.v.get(BN * dvp);
-      pack_cols(&p.v(sq.b, sq.k0 + j0, hm.v, 0), p.v.stride(1), kc, dv, vp);
+      const index_t j1 = std::min(j0 + BN, kend_block);
       for (index_t r = 0; r < tiles; ++r) {
         const index_t lo = std::max(j0, tile_lo(r)), hi = std::min(j1, tile_hi(r));
         if (lo >= hi) continue;
@@ -248,7 +258,7 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
               const T wij = s[0][ii * lds + (j - kbase)];
               T* orow = o + ii * dvp;
               for (index_t c0 = 0; c0 < dvp; c0 += NR) {
-                const T* vrow = vp + c0 * kc + (j - j0) * NR;
+                const T* vrow = vp + c0 * prows + (j - pb) * NR;
                 for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
               }
             }
@@ -261,7 +271,7 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
         add_rows(lo, sh_lo);
         const T* a = s[0] + r0 * lds + (sh_lo - kbase);
         for (index_t c0 = 0; c0 < dvp; c0 += NR)
-          micro_kernel<T>(sh_hi - sh_lo, a, lds, vp + c0 * kc + (sh_lo - j0) * NR, NR,
+          micro_kernel<T>(sh_hi - sh_lo, a, lds, vp + c0 * prows + (sh_lo - pb) * NR, NR,
                           o + r0 * dvp + c0, dvp, true);
         add_rows(sh_hi, hi);
       }
@@ -279,33 +289,43 @@ inline std::uint64_t next_call_id() {
   return ++counter;
 }
 
-/// Runs a validated problem over (sequence, head, query block) tasks, handed
-/// out dynamically.
+/// Runs a validated problem over (sequence, head, run of query blocks) tasks,
+/// handed out dynamically. The blocks of one (sequence, head) go last to
+/// first: under the causal mask the late blocks are the heaviest, and the
+/// first block a thread takes packs every key the others need. Under a left
+/// window the blocks cost the same and each sees a band that slides left; a
+/// task then takes a run of kPackAhead consecutive blocks, so that one thread
+/// packs the keys of the run once (see process_block).
 template <class T>
 void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options) {
-  const index_t bm = TileConfig<T>::kBlockM;
+  using Cfg = TileConfig<T>;
+  const index_t bm = Cfg::kBlockM;
+  const index_t run = p.band.left >= 0 ? Cfg::kPackAhead : 1;  // blocks per task
   const index_t S = p.num_seqs();
   if (S == 0 || p.heads == 0) return;
-  // first[s]: the first task of sequence s; its tasks are (head, block) with
-  // the blocks of one head consecutive.
+  auto nblocks = [&](index_t s) { return (p.seq(s).n + bm - 1) / bm; };
+  auto nruns = [&](index_t s) { return (nblocks(s) + run - 1) / run; };
+  // first[s]: the first task of sequence s; its tasks are (head, run of
+  // blocks), the runs of one head consecutive.
   std::vector<index_t> first(static_cast<std::size_t>(S + 1), 0);
   for (index_t s = 0; s < S; ++s)
-    first[static_cast<std::size_t>(s + 1)] =
-        first[static_cast<std::size_t>(s)] + p.heads * ((p.seq(s).n + bm - 1) / bm);
+    first[static_cast<std::size_t>(s + 1)] = first[static_cast<std::size_t>(s)] + p.heads * nruns(s);
   const index_t tasks = first.back();
   if (tasks == 0) return;
   const std::uint64_t call_id = next_call_id();
   auto run_task = [&](index_t t) {
     const index_t s = static_cast<index_t>(std::upper_bound(first.begin(), first.end(), t) -
                                            first.begin()) - 1;
-    const index_t nblocks = (p.seq(s).n + bm - 1) / bm;
+    const index_t runs = nruns(s), nb = nblocks(s);
     const index_t local = t - first[static_cast<std::size_t>(s)];
-    const index_t blk = nblocks - 1 - local % nblocks, oh = local / nblocks;
-    const index_t rows = std::min(bm, p.seq(s).n - blk * bm);
-    if (rows < TileConfig<T>::kMR)
-      process_block<T, true>(p, s, oh, blk, thread_workspace<T>(), call_id);
-    else
-      process_block<T, false>(p, s, oh, blk, thread_workspace<T>(), call_id);
+    const index_t oh = local / runs, r = runs - 1 - local % runs;
+    for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk) {
+      const index_t rows = std::min(bm, p.seq(s).n - blk * bm);
+      if (rows < Cfg::kMR)
+        process_block<T, true>(p, s, oh, blk, thread_workspace<T>(), call_id);
+      else
+        process_block<T, false>(p, s, oh, blk, thread_workspace<T>(), call_id);
+    }
   };
   parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
                  [] { thread_workspace<T>().trim(); });

@@ -78,6 +78,22 @@ inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, ind
   }
 }
 
+/// Rows fetched ahead while packing.
+constexpr index_t kPrefetchRows = 4;
+
+/// Hints that the `width` elements at p will be read soon.
+template <class T>
+inline void prefetch_row(const T* p, index_t width) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = reinterpret_cast<const char*>(p);
+  const index_t bytes = width * static_cast<index_t>(sizeof(T));
+  for (index_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+#else
+  (void)p;
+  (void)width;
+#endif
+}
+
 /// Packs rows [0, rows) of an (rows x width) source, row r at src + r * ld,
 /// into panels of kNR rows each stored transposed: panel p holds
 /// dst[p * width * kNR + t * kNR + c] = src[(p * kNR + c) * ld + t]; rows from
@@ -93,6 +109,9 @@ inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t
       const index_t j = p0 + c;
       if (j < rows) {
         const T* row = src + j * ld;
+        // Rows of a strided K lie far apart (one kv head among many), beyond
+        // what the hardware prefetcher follows: ask for a row a few ahead.
+        if (j + kPrefetchRows < rows) prefetch_row(row + kPrefetchRows * ld, width);
         for (index_t t = 0; t < width; ++t) panel[t * nr + c] = row[t];
       } else {
         for (index_t t = 0; t < width; ++t) panel[t * nr + c] = T(0);
@@ -116,8 +135,13 @@ inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* 
     for (index_t r = 0; r < rows; ++r) {
       const T* row = src + r * ld + c0;
       T* out = panel + r * nr;
-      std::memcpy(out, row, static_cast<std::size_t>(n) * sizeof(T));
-      for (index_t cc = n; cc < nr; ++cc) out[cc] = T(0);
+      if (r + kPrefetchRows < rows) prefetch_row(row + kPrefetchRows * ld, n);
+      if (n == nr) {  // a whole panel row: a fixed-size copy the compiler inlines
+        for (index_t cc = 0; cc < nr; ++cc) out[cc] = row[cc];
+      } else {
+        for (index_t cc = 0; cc < n; ++cc) out[cc] = row[cc];
+        for (index_t cc = n; cc < nr; ++cc) out[cc] = T(0);
+      }
     }
   }
 }

@@ -35,6 +35,12 @@ struct TileConfig {
   /// consumes it, and a W row chunk (256 floats, 1 KiB) in L1.
   static constexpr index_t kBlockN = 256;
 
+  /// Blocks of keys packed ahead under a sliding window: the keys of the
+  /// next 8 blocks to the left are packed with the current block's, so K is
+  /// packed about once per 8 blocks instead of once per block. (Without a
+  /// window the first block packs every key and nothing is ever repacked.)
+  static constexpr index_t kPackAhead = 8;
+
   static_assert(kBlockM % kMR == 0, "query blocks are whole register tiles");
 };
 

@@ -50,10 +50,10 @@ struct Workspace {
   ScratchBuffer<T> q[2];  // scaled query block of each map      (kBlockM, d)
   ScratchBuffer<T> k[2];  // key panels of each map              (keys, d) packed
   ScratchBuffer<T> s[2];  // score rows; s[0] becomes W          (kBlockM, keys)
-  ScratchBuffer<T> v;     // value chunk in column panels        (kBlockN, dv)
+  ScratchBuffer<T> v;     // values of the packed keys, column panels (keys, dv)
   ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
 
-  // Which keys k[] holds, [packed_begin, packed_end) of one sequence and kv
+  // Which keys k[] and v hold, [packed_begin, packed_end) of one sequence and kv
   // group, so that consecutive blocks of one head skip repacking.
   std::uint64_t packed_call = 0;
   index_t packed_seq = -1, packed_group = -1, packed_begin = 0, packed_end = 0;
