@@ -17,4 +17,5 @@
 #include "reference.hpp"
 #include "rope.hpp"
 #include "softmax.hpp"
+#include "states.hpp"
 #include "tensor.hpp"

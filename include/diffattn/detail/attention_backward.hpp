@@ -43,6 +43,11 @@ struct BackwardProblem {
   TensorView<T, 4> dq, dk, dv;     // like q, k, v
   TensorView<T, 1> dlambda;        // v1: (1) for one lambda, (H) for one per head
   TensorView<T, 3> dlambda_logit;  // v2: (B, N, H)
+  // Plain attention over a subset of the keys (ring attention, split KV):
+  // (B, Hq, N) D_i = dO_i . O_i with O the output over ALL keys, which the
+  // row's dS = A o (dW - D) needs; lse is then the lse over all keys too.
+  // Empty: D is computed from the keys at hand (they are all the keys).
+  TensorView<const T, 3> delta;
 };
 
 template <class T>
@@ -191,7 +196,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g,
           a1 = a1.exp();
         }
         if (maps == 1) {
-          const T dsum = (a1 * dw).sum();
+          const T dsum = bp.delta.empty() ? T((a1 * dw).sum()) : bp.delta(sq.b, hm.q[0], i);
           for (index_t j = 0; j < n; ++j) {
             const T x = r0[j];
             r0[j] = x * (rw[j] - dsum);  // dS
