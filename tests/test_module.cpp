@@ -96,7 +96,7 @@ Matrix<double> reference_v1(const std::map<std::string, Matrix<double>>& p,
                             const DiffAttnV1Config& c, const Matrix<double>& x, index_t offset,
                             double* lambda_out = nullptr) {
   const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads ? c.num_kv_heads : h;
-  const index_t d = e / (2 * h);
+  const index_t d = c.head_dim ? c.head_dim : e / (2 * h);
   Matrix<double> q = x * p.at("q_proj.weight").transpose();        // (N, 2H d)
   Matrix<double> k = x * p.at("k_proj.weight").transpose();        // (N, 2Hkv d)
   const Matrix<double> v = x * p.at("v_proj.weight").transpose();  // (N, Hkv 2d)
@@ -110,7 +110,7 @@ Matrix<double> reference_v1(const std::map<std::string, Matrix<double>>& p,
   if (lambda_out) *lambda_out = lambda;
   diffattn::AttentionOptions opt;
   opt.causal = c.causal;
-  Matrix<double> cat(x.rows(), e);
+  Matrix<double> cat(x.rows(), 2 * h * d);
   for (index_t hh = 0; hh < h; ++hh) {
     const index_t g = hh / (h / hkv);
     const Matrix<double> w =
@@ -119,7 +119,7 @@ Matrix<double> reference_v1(const std::map<std::string, Matrix<double>>& p,
     for (index_t i = 0; i < w.rows(); ++i) REQUIRE(std::abs(w.row(i).sum() - (1 - lambda)) < 1e-12);
     Matrix<double> o = w * head(v, g, 2 * d);  // (N, 2d)
     for (index_t i = 0; i < o.rows(); ++i) {
-      const double rms = std::sqrt(o.row(i).squaredNorm() / (2 * d) + 1e-5);
+      const double rms = std::sqrt(o.row(i).squaredNorm() / (2 * d) + c.norm_eps);
       for (index_t j = 0; j < 2 * d; ++j) {
         const double w_j = c.norm_affine ? p.at("subln.weight")(0, j) : 1.0;
         cat(i, hh * 2 * d + j) = (1 - init) * o(i, j) / rms * w_j;
@@ -235,6 +235,37 @@ TEMPLATE_TEST_CASE("MultiheadDiffAttnV1 matches the float64 reference", "[module
       CHECK(std::abs(static_cast<double>(m.lambda_full()) - lambda) < tol);
     }
   }
+}
+
+TEMPLATE_TEST_CASE("V1 with head_dim != E / (2H) and another norm eps (DiffLlama configs)",
+                   "[module]", float, double) {
+  using T = TestType;
+  const double tol = std::is_same<T, float>::value ? 1e-4 : 1e-10;
+  DiffAttnV1Config cfg;
+  cfg.embed_dim = 40;
+  cfg.num_heads = 2;
+  cfg.num_kv_heads = 1;
+  cfg.head_dim = 6;  // q_proj 40 -> 24, out_proj 24 -> 40
+  cfg.norm_eps = 1e-6;
+  cfg.depth = 1;
+  MultiheadDiffAttnV1<T> m(cfg, 77);
+  randomize(m, 78, 0.3);
+  CHECK(m.head_dim() == 6);
+  const auto shapes = m.parameter_shapes();
+  CHECK(shapes.at("q_proj.weight") == std::vector<index_t>{24, 40});
+  CHECK(shapes.at("k_proj.weight") == std::vector<index_t>{12, 40});
+  CHECK(shapes.at("v_proj.weight") == std::vector<index_t>{12, 40});
+  CHECK(shapes.at("out_proj.weight") == std::vector<index_t>{40, 24});
+  CHECK(shapes.at("subln.weight") == std::vector<index_t>{12});
+  const auto p = params_of(m);
+  const Tensor<T, 3> x = random_x<T>(2, 7, 40, 79);
+  const Tensor<T, 3> y = m.forward(x, 2);
+  CHECK(rel_error(y, [&](index_t b) { return reference_v1(p, cfg, batch_rows(x, b), 2); }) < tol);
+  // The eps matters: the reference with the default eps differs.
+  DiffAttnV1Config other = cfg;
+  other.norm_eps = 1e-5;
+  CHECK(rel_error(y, [&](index_t b) { return reference_v1(p, other, batch_rows(x, b), 2); }) >
+        (std::is_same<T, float>::value ? 0.0 : 1e-9));
 }
 
 TEMPLATE_TEST_CASE("MultiheadDiffAttnV2 matches the float64 reference", "[module]", float, double) {

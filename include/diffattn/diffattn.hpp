@@ -7,6 +7,7 @@
 #include "diff_weights.hpp"
 #include "error.hpp"
 #include "io/safetensors.hpp"
+#include "kv_cache.hpp"
 #include "lambda.hpp"
 #include "matrix.hpp"
 #include "module.hpp"

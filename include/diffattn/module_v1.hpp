@@ -28,11 +28,12 @@ DIFFATTN_BEGIN_NAMESPACE
 
 /// Configuration of MultiheadDiffAttnV1.
 ///
-/// With embedding width E and H DIFF heads each query/key half is d = E / (2H)
-/// wide and each value 2d: q_proj E -> E, k_proj and v_proj E -> E / (H / Hkv),
-/// out_proj E -> E. Same parameter count as a baseline layer with 2H heads.
+/// With embedding width E and H DIFF heads each query/key half is d wide
+/// (E / (2H) unless head_dim says otherwise) and each value 2d: q_proj
+/// E -> 2H d, k_proj and v_proj E -> 2Hkv d, out_proj 2H d -> E. With
+/// d = E / (2H): the parameter count of a baseline layer with 2H heads.
 struct DiffAttnV1Config {
-  index_t embed_dim = 0;     ///< E, divisible by 2 * num_heads
+  index_t embed_dim = 0;     ///< E; divisible by 2 * num_heads unless head_dim is set
   index_t num_heads = 0;     ///< H, DIFF heads (half a baseline's heads)
   index_t num_kv_heads = 0;  ///< Hkv, KV pairs for GQA; 0 means num_heads; H % Hkv == 0
   int depth = 0;             ///< 0-based layer index; lambda_init(depth)
@@ -45,6 +46,11 @@ struct DiffAttnV1Config {
   /// included, uses window_left = W - 1.
   index_t window_left = -1;
   index_t window_right = -1;
+  /// d, the width of one query/key half (DiffLlama's head_dim); 0 means
+  /// E / (2H).
+  index_t head_dim = 0;
+  /// Epsilon of the per-head RMSNorm (DiffLlama's rms_norm_eps).
+  double norm_eps = 1e-5;
 };
 
 
@@ -93,12 +99,12 @@ class MultiheadDiffAttnV1 {
   /// diffattn::error for a bad configuration.
   explicit MultiheadDiffAttnV1(const DiffAttnV1Config& config, std::uint64_t seed = 0)
       : cfg_(checked(config)),
-        d_(cfg_.embed_dim / (2 * cfg_.num_heads)),
+        d_(cfg_.head_dim),
         lambda_init_(diffattn::lambda_init(cfg_.depth)),
-        q_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        q_proj_({q_width(), cfg_.embed_dim}),
         k_proj_({kv_width(), cfg_.embed_dim}),
         v_proj_({kv_width(), cfg_.embed_dim}),
-        out_proj_({cfg_.embed_dim, cfg_.embed_dim}),
+        out_proj_({cfg_.embed_dim, q_width()}),
         lambda_q1_({d_}),
         lambda_k1_({d_}),
         lambda_q2_({d_}),
@@ -107,10 +113,10 @@ class MultiheadDiffAttnV1 {
         grads_(parameter_shapes(cfg_)) {
     detail::Rng rng(seed);
     const index_t e = cfg_.embed_dim;
-    detail::module_init_linear(rng, q_proj_.data(), e, e);
+    detail::module_init_linear(rng, q_proj_.data(), q_width(), e);
     detail::module_init_linear(rng, k_proj_.data(), kv_width(), e);
     detail::module_init_linear(rng, v_proj_.data(), kv_width(), e);
-    detail::module_init_linear(rng, out_proj_.data(), e, e);
+    detail::module_init_linear(rng, out_proj_.data(), e, q_width());
     for (Tensor<T, 1>* l : {&lambda_q1_, &lambda_k1_, &lambda_q2_, &lambda_k2_})
       detail::module_init_normal(rng, l->data(), d_, 0.1);
     subln_weight_.fill(T(1));
@@ -118,7 +124,8 @@ class MultiheadDiffAttnV1 {
 
   /// The configuration, num_kv_heads resolved (never 0).
   const DiffAttnV1Config& config() const noexcept { return cfg_; }
-  /// d = E / (2H), the width of one query/key half (values are 2d wide).
+  /// d, the width of one query/key half (values are 2d wide): config head_dim,
+  /// or E / (2H).
   index_t head_dim() const noexcept { return d_; }
   /// lambda_init(depth), fixed by the configuration.
   double lambda_init() const noexcept { return lambda_init_; }
@@ -162,6 +169,53 @@ class MultiheadDiffAttnV1 {
     return run_forward(x, 0, &seqs);
   }
 
+  /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
+  /// keys (2Hkv heads of d) after rotary and values (Hkv heads of 2d). With a
+  /// sliding window it keeps at most 2W rows (see KVCache). Throws for a
+  /// non-causal layer: token-by-token decoding equals the whole sequence only
+  /// under the causal mask.
+  KVCache<T> make_cache(index_t batch, index_t capacity) const {
+    if (!cfg_.causal)
+      detail::fail("MultiheadDiffAttnV1::make_cache",
+                   "a KV cache needs a causal layer (config.causal = true)");
+    return KVCache<T>(batch, capacity, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
+                      cfg_.window_left);
+  }
+
+  /// Runs the layer on n >= 1 new tokens per sequence, x (B, n, E), after the
+  /// cache.size() tokens the cache holds: rotates the new queries and keys at
+  /// positions cache.size() .. cache.size() + n - 1, appends the new keys and
+  /// values, attends causally (and within the window) over everything cached,
+  /// and returns y (B, n, E). Prefill then token-by-token decoding gives what
+  /// forward gives on the whole sequence. Keeps nothing for backward (a later
+  /// backward throws until the next forward). Throws, changing nothing, when
+  /// the cache is full, was made for another layer or another batch size.
+  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<T>& cache) {
+    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
+    check_input(fn, x);
+    if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
+    detail::module_check_cache(fn, cache, x, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
+                               cfg_.window_left);
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+    saved_ = Saved{};
+    Tensor<T, 4> q, k, v;
+    project(detail::module_contiguous_copy<T>(x), cache.size(), nullptr, q, k, v);
+    Tensor<T, 4> attn({b, n, h, 2 * d_});  // (B, n, H, 2d)
+    const T lambda = lambda_full();
+    const AttentionOptions o = options();
+    detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
+      diff_attention_v1<T>(detail::module_rows(q, a, np), keys, values, lambda,
+                           detail::module_rows(attn, a, np), o);
+    });
+    Tensor<T, 4> normed({b, n, h, 2 * d_});  // (B, n, H, 2d)
+    rms_norm<T>(attn, subln_weight_, normed.view(), cfg_.norm_eps, 1.0 - lambda_init_);
+    Tensor<T, 3> y({b, n, e});  // (B, n, E)
+    detail::module_linear(normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
+                          num_threads_);
+    return y;
+  }
+
   /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides)
   /// and returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to
   /// every gradient buffer (see gradients()): through out_proj, the
@@ -185,7 +239,7 @@ class MultiheadDiffAttnV1 {
     const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
 
     Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    detail::module_linear_backward(saved_.normed.data(), rows, e, out_proj_.data(), e, g.data(),
+    detail::module_linear_backward(saved_.normed.data(), rows, q_width(), out_proj_.data(), e, g.data(),
                                    grads_.at("out_proj.weight"), dnormed.data(), false,
                                    num_threads_);
     Tensor<T, 4> dattn({b, n, h, 2 * d_});                 // (B, N, H, 2d)
@@ -229,7 +283,7 @@ class MultiheadDiffAttnV1 {
     }
     Tensor<T, 3> dx({b, n, e});  // (B, N, E)
     const T* xs = saved_.x.data();
-    detail::module_linear_backward(xs, rows, e, q_proj_.data(), e, dq.data(),
+    detail::module_linear_backward(xs, rows, e, q_proj_.data(), q_width(), dq.data(),
                                    grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
     detail::module_linear_backward(xs, rows, e, k_proj_.data(), kv_width(), dk.data(),
                                    grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
@@ -277,8 +331,8 @@ class MultiheadDiffAttnV1 {
   }
 
   /// Every parameter by its reference state_dict name, flattened row-major as
-  /// PyTorch stores it: q_proj.weight (E*E), k_proj.weight and v_proj.weight
-  /// (E/(H/Hkv) * E), out_proj.weight (E*E), lambda_q1, lambda_k1, lambda_q2,
+  /// PyTorch stores it: q_proj.weight (2H d, E), k_proj.weight and v_proj.weight
+  /// (2Hkv d, E), out_proj.weight (E, 2H d), lambda_q1, lambda_k1, lambda_q2,
   /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
   /// write through to the layer.
   std::map<std::string, TensorView<T, 1>> parameters() {
@@ -331,7 +385,6 @@ class MultiheadDiffAttnV1 {
   }
 
  private:
-  static constexpr double kNormEps = 1e-5;
 
   // What the last forward keeps for the backward pass.
   struct Saved {
@@ -384,10 +437,10 @@ class MultiheadDiffAttnV1 {
     }
     saved_.normed = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
     saved_.inv_rms = Tensor<T, 3>({b, n, h});         // (B, N, H)
-    rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), kNormEps, 1.0 - lambda_init_,
+    rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), cfg_.norm_eps, 1.0 - lambda_init_,
                 saved_.inv_rms.view());
     Tensor<T, 3> y({b, n, e});  // (B, N, E)
-    detail::module_linear(saved_.normed.data(), rows, e, out_proj_.data(), e, y.data(),
+    detail::module_linear(saved_.normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
                           num_threads_);
     saved_.position_offset = position_offset;
     saved_.valid = true;
@@ -401,25 +454,32 @@ class MultiheadDiffAttnV1 {
     if (c.num_kv_heads < 0)
       detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
     if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
-    if (c.embed_dim % (2 * c.num_heads) != 0)
-      detail::fail(fn, "embed_dim ", c.embed_dim,
-                   " is not divisible by 2 * num_heads = ", 2 * c.num_heads, " (d = E / (2H))");
+    if (c.head_dim < 0)
+      detail::fail(fn, "head_dim must be >= 0 (0: E / (2 num_heads)), got ", c.head_dim);
+    const bool derived = c.head_dim == 0;
+    if (derived) {
+      if (c.embed_dim % (2 * c.num_heads) != 0)
+        detail::fail(fn, "embed_dim ", c.embed_dim, " is not divisible by 2 * num_heads = ",
+                     2 * c.num_heads, " (head_dim 0 means d = E / (2H))");
+      c.head_dim = c.embed_dim / (2 * c.num_heads);
+    }
+    if (!(c.norm_eps > 0) || !std::isfinite(c.norm_eps))
+      detail::fail(fn, "norm_eps must be finite and > 0, got ", c.norm_eps);
     if (c.num_heads % c.num_kv_heads != 0)
       detail::fail(fn, "num_heads ", c.num_heads, " is not a multiple of num_kv_heads ",
                    c.num_kv_heads);
     if (c.depth < 0) detail::fail(fn, "depth must be >= 0 (0-based layer index), got ", c.depth);
-    const index_t d = c.embed_dim / (2 * c.num_heads);
-    if (c.rope && d % 2 != 0)
-      detail::fail(fn, "rope needs an even head width, got d = E / (2H) = ", d);
+    if (c.rope && c.head_dim % 2 != 0)
+      detail::fail(fn, "rope needs an even head width, got ",
+                   derived ? "d = E / (2H) = " : "head_dim d = ", c.head_dim);
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
     detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
     return c;
   }
 
-  index_t kv_width() const noexcept {
-    return cfg_.embed_dim / (cfg_.num_heads / cfg_.num_kv_heads);
-  }
+  index_t kv_width() const noexcept { return 2 * cfg_.num_kv_heads * d_; }  // k_proj rows
+  index_t q_width() const noexcept { return 2 * cfg_.num_heads * d_; }      // q_proj rows
 
   // q (B, N, 2H, d) and k (B, N, 2Hkv, d) after rope, v (B, N, Hkv, 2d), from
   // the contiguous x (B, N, E).
@@ -429,7 +489,7 @@ class MultiheadDiffAttnV1 {
     q = Tensor<T, 4>({b, n, 2 * cfg_.num_heads, d_});
     k = Tensor<T, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
     v = Tensor<T, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), e, q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), q_width(), q.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data(), num_threads_);
     if (cfg_.rope) {
@@ -448,8 +508,8 @@ class MultiheadDiffAttnV1 {
   // of `self`, or null when only the shapes are wanted.
   static std::vector<detail::ModuleParam<T>> param_list(const DiffAttnV1Config& c,
                                                         MultiheadDiffAttnV1* self) {
-    const index_t e = c.embed_dim, d = e / (2 * c.num_heads);
-    const index_t kv = e / (c.num_heads / c.num_kv_heads);
+    const index_t e = c.embed_dim, d = c.head_dim;
+    const index_t kv = 2 * c.num_kv_heads * d, qw = 2 * c.num_heads * d;
     auto ptr = [self](Tensor<T, 2> MultiheadDiffAttnV1::*w) {
       return self ? (self->*w).data() : nullptr;
     };
@@ -457,10 +517,10 @@ class MultiheadDiffAttnV1 {
       return self ? (self->*w).data() : nullptr;
     };
     std::vector<detail::ModuleParam<T>> l = {
-        {"q_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::q_proj_)},
+        {"q_proj.weight", {qw, e}, ptr(&MultiheadDiffAttnV1::q_proj_)},
         {"k_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::k_proj_)},
         {"v_proj.weight", {kv, e}, ptr(&MultiheadDiffAttnV1::v_proj_)},
-        {"out_proj.weight", {e, e}, ptr(&MultiheadDiffAttnV1::out_proj_)},
+        {"out_proj.weight", {e, qw}, ptr(&MultiheadDiffAttnV1::out_proj_)},
         {"lambda_q1", {d}, vptr(&MultiheadDiffAttnV1::lambda_q1_)},
         {"lambda_k1", {d}, vptr(&MultiheadDiffAttnV1::lambda_k1_)},
         {"lambda_q2", {d}, vptr(&MultiheadDiffAttnV1::lambda_q2_)},
@@ -473,10 +533,10 @@ class MultiheadDiffAttnV1 {
   DiffAttnV1Config cfg_;
   index_t d_;
   double lambda_init_;
-  Tensor<T, 2> q_proj_;                                         // (E, E)
-  Tensor<T, 2> k_proj_;                                         // (E / (H / Hkv), E)
-  Tensor<T, 2> v_proj_;                                         // (E / (H / Hkv), E)
-  Tensor<T, 2> out_proj_;                                       // (E, E)
+  Tensor<T, 2> q_proj_;                                         // (2H d, E)
+  Tensor<T, 2> k_proj_;                                         // (2Hkv d, E)
+  Tensor<T, 2> v_proj_;                                         // (2Hkv d, E)
+  Tensor<T, 2> out_proj_;                                       // (E, 2H d)
   Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
   detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()

@@ -107,6 +107,44 @@ class MultiheadDiffAttnV2 {
     return run_forward(x, 0, &seqs);
   }
 
+  /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
+  /// Hkv key heads (after rotary) and Hkv value heads of head_dim, the
+  /// baseline's cache. As MultiheadDiffAttnV1::make_cache.
+  KVCache<T> make_cache(index_t batch, index_t capacity) const {
+    if (!cfg_.causal)
+      detail::fail("MultiheadDiffAttnV2::make_cache",
+                   "a KV cache needs a causal layer (config.causal = true)");
+    return KVCache<T>(batch, capacity, cfg_.num_kv_heads, cfg_.head_dim, cfg_.num_kv_heads,
+                      cfg_.head_dim, cfg_.window_left);
+  }
+
+  /// Runs the layer on n >= 1 new tokens per sequence after those the cache
+  /// holds; lambda is computed per new token. As MultiheadDiffAttnV1's
+  /// forward(x, cache).
+  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<T>& cache) {
+    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
+    check_input(fn, x);
+    if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hd = cfg_.head_dim;
+    detail::module_check_cache(fn, cache, x, cfg_.num_kv_heads, hd, cfg_.num_kv_heads, hd,
+                               cfg_.window_left);
+    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
+    saved_ = Saved{};
+    Tensor<T, 4> q, k, v;
+    Tensor<T, 3> logit;
+    project(detail::module_contiguous_copy<T>(x), cache.size(), nullptr, q, k, v, logit);
+    Tensor<T, 4> attn({b, n, h, hd});  // (B, n, H, hd)
+    const AttentionOptions o = options();
+    detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
+      diff_attention_v2<T>(detail::module_rows(q, a, np), keys, values,
+                           detail::module_rows(logit, a, np), detail::module_rows(attn, a, np),
+                           o);
+    });
+    Tensor<T, 3> y({b, n, e});  // (B, n, E)
+    detail::module_linear(attn.data(), rows, h * hd, o_proj_.data(), e, y.data(), num_threads_);
+    return y;
+  }
+
   /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides),
   /// returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to every
   /// gradient buffer: through o_proj, the kernel (q, k, v and, through the

@@ -17,6 +17,7 @@
 #include "../rope.hpp"
 #include "../softmax.hpp"
 #include "../io/safetensors.hpp"
+#include "../kv_cache.hpp"
 #include "../tensor.hpp"
 #include "format.hpp"
 #include "linear.hpp"
@@ -82,6 +83,63 @@ void module_check_packed(const char* fn, const TensorView<const T, 3>& x,
   if (!cu_k.empty() && cu_k != cu_q)
     fail(fn, "a layer attends each sequence to itself: cu_seqlens_k must be empty or equal to "
          "cu_seqlens_q");
+}
+
+/// Rows [r0, r0 + n) of t (B, N, H, D) as a (B, n, H, D) view.
+template <class T>
+TensorView<T, 4> module_rows(Tensor<T, 4>& t, index_t r0, index_t n) {
+  const auto& s = t.shape();
+  return TensorView<T, 4>(t.data() + (n > 0 ? r0 * s[2] * s[3] : 0), {s[0], n, s[2], s[3]},
+                          {s[1] * s[2] * s[3], s[2] * s[3], s[3], 1});
+}
+template <class T>
+TensorView<const T, 3> module_rows(const Tensor<T, 3>& t, index_t r0, index_t n) {
+  const auto& s = t.shape();
+  return TensorView<const T, 3>(t.data() + (n > 0 ? r0 * s[2] : 0), {s[0], n, s[2]},
+                                {s[1] * s[2], s[2], 1});
+}
+
+/// Checks that `cache` fits a layer whose tokens have k_heads x k_dim keys and
+/// v_heads x v_dim values, the batch of x (B, n, E), and room for n tokens.
+template <class T>
+void module_check_cache(const char* fn, const KVCache<T>& cache, const TensorView<const T, 3>& x,
+                        index_t k_heads, index_t k_dim, index_t v_heads, index_t v_dim,
+                        index_t keep) {
+  if (cache.key_heads() != k_heads || cache.key_dim() != k_dim ||
+      cache.value_heads() != v_heads || cache.value_dim() != v_dim || cache.keep() != keep)
+    fail(fn, "the cache holds keys ", cache.key_heads(), " x ", cache.key_dim(), " and values ",
+         cache.value_heads(), " x ", cache.value_dim(), " per token (keep ", cache.keep(),
+         "), this layer ", k_heads, " x ", k_dim, " and ", v_heads, " x ", v_dim, " (keep ", keep,
+         "): make it with this layer's make_cache");
+  if (cache.batch() != x.shape(0))
+    fail(fn, "x has shape ", shape_str(x.shape()), " but the cache was made for batch ",
+         cache.batch());
+  if (x.shape(1) > cache.capacity() - cache.size())
+    fail(fn, "cannot append ", x.shape(1), " tokens (x ", shape_str(x.shape()),
+         ") to a cache holding ", cache.size(), " of capacity ", cache.capacity());
+}
+
+/// Appends the new keys k (B, n, Hk, dk) and values v (B, n, Hv, dv) to the
+/// cache, in pieces that fit it, and after writing each piece calls
+/// attend(a, np, keys, values): the queries of tokens [a, a + np) attend to
+/// keys and values, every held token followed by the piece's (so a causal
+/// mask aligned bottom-right is the right one).
+template <class T, class Attend>
+void module_cache_append(KVCache<T>& cache, Tensor<T, 4>& k, Tensor<T, 4>& v, Attend&& attend) {
+  const index_t n = k.shape(1), row = k.shape(2) * k.shape(3), vrow = v.shape(2) * v.shape(3);
+  for (index_t a = 0; a < n;) {
+    const index_t np = std::min(n - a, cache.max_append());
+    if (np < 1) fail("KVCache", "no room to append to a cache holding ", cache.size());
+    const index_t r = cache.reserve(np);
+    TensorView<T, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
+    for (index_t b = 0; b < k.shape(0); ++b) {
+      std::copy_n(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
+      std::copy_n(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+    }
+    attend(a, np, cache.keys_with(np), cache.values_with(np));
+    cache.commit(np);
+    a += np;
+  }
 }
 
 /// The kernel options of a layer.
