@@ -107,7 +107,12 @@ Expected oracle(const Problem<T>& p, const AttentionOptions& o, const AnalysisOp
       std::vector<std::vector<double>> A(2, std::vector<double>(static_cast<std::size_t>(N * M)));
       std::vector<char> visible(static_cast<std::size_t>(N * M));
       for (index_t i = 0; i < N; ++i)
-        for (index_t j = 0; j < M; ++j) visible[i * M + j] = !o.causal || j <= i + (M - N);
+        for (index_t j = 0; j < M; ++j) {
+          // c - left <= j <= c + right with c = i + (M - N); causal: right = 0.
+          const index_t c = i + (M - N), right = o.causal ? 0 : o.window_right;
+          visible[i * M + j] =
+              (o.window_left < 0 || j >= c - o.window_left) && (right < 0 || j <= c + right);
+        }
       for (index_t i = 0; i < N; ++i) {
         const bool measured = i >= a.query_begin && i < qe;
         bool any = false;
@@ -252,6 +257,29 @@ TEST_CASE("analysis: every statistic matches a float64 oracle (double)", "[analy
           const AttentionStats got2 = p.run(nullptr, o, a);
           check_stats(got2, want.st, 1e-11);
         }
+      }
+}
+
+TEST_CASE("analysis: sliding windows match the float64 oracle", "[analysis][masks]") {
+  unsigned seed = 500;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t left : {0, 3, 40})
+      for (bool causal : {true, false}) {
+        const Problem<double> p(kind, 1, 113, 120, 4, 2, 8, seed++, 1.5);
+        AttentionOptions o;
+        o.causal = causal;
+        o.window_left = left;
+        o.window_right = causal ? -1 : 2;
+        AnalysisOptions a;
+        a.needle_begin = 50;
+        a.needle_end = 60;
+        INFO(kind_name(kind) << " window (" << o.window_left << ", " << o.window_right
+                             << ") causal " << causal);
+        Tensor<double, 4> out = p.make_out();
+        const AttentionStats got = p.run(&out, o, a);
+        const Expected want = oracle(p, o, a);
+        check_stats(got, want.st, 1e-11);
+        check_close(to_vector(out), want.out, 1e-11, "out");
       }
 }
 
