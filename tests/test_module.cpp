@@ -736,7 +736,8 @@ void rope_half(Matrix<double>& m, index_t width, double base) {
 /// DiffLlamaAttention's eager forward in float64, from its own weights:
 /// nh = 2H query heads of width d, nkv = 2Hkv kv heads, map pairs (j, j + nh/2).
 Matrix<double> reference_diffllama(const std::map<std::string, Matrix<double>>& w, index_t nh,
-                                   index_t nkv, index_t d, int depth, const Matrix<double>& x) {
+                                   index_t nkv, index_t d, int depth, const Matrix<double>& x,
+                                   double eps = 1e-5) {
   Matrix<double> q = x * w.at("q_proj.weight").transpose();
   Matrix<double> k = x * w.at("k_proj.weight").transpose();
   const Matrix<double> v = x * w.at("v_proj.weight").transpose();
@@ -768,7 +769,7 @@ Matrix<double> reference_diffllama(const std::map<std::string, Matrix<double>>& 
   for (index_t hh = 0; hh < nh / 2; ++hh) {
     const Matrix<double> o = outs[hh] - lambda * outs[hh + nh / 2];
     for (index_t i = 0; i < n; ++i) {
-      const double rms = std::sqrt(o.row(i).squaredNorm() / (2 * d) + 1e-5);
+      const double rms = std::sqrt(o.row(i).squaredNorm() / (2 * d) + eps);
       cat.block(i, hh * 2 * d, 1, 2 * d) = (1 - init) * o.row(i) / rms;
     }
   }
@@ -781,20 +782,25 @@ TEST_CASE("a DiffLlama-layout checkpoint loads into the same layer", "[module][s
   namespace st = diffattn::safetensors;
   const std::string path = temp_path("diffllama");
   struct Case {
-    index_t e, h, hkv;
+    index_t e, h, hkv, hd;
+    double eps;
   };
-  for (const Case& c : {Case{32, 2, 2}, Case{48, 4, 2}, Case{64, 4, 1}}) {
+  // The last: DiffLlama's head_dim independent of E / (2H), and its rms_norm_eps.
+  for (const Case& c : {Case{32, 2, 2, 0, 1e-5}, Case{48, 4, 2, 0, 1e-5}, Case{64, 4, 1, 0, 1e-5},
+                        Case{40, 2, 1, 6, 1e-6}}) {
     DiffAttnV1Config cfg;
     cfg.embed_dim = c.e;
     cfg.num_heads = c.h;
     cfg.num_kv_heads = c.hkv;
+    cfg.head_dim = c.hd;
+    cfg.norm_eps = c.eps;
     cfg.depth = 2;
     MultiheadDiffAttnV1<double> native(cfg, 11);
     randomize(native, 12, 0.3);
     for (index_t i = 0; i < native.parameters().at("subln.weight").size(); ++i)
       native.parameters().at("subln.weight")(i) = 1.0;  // DiffLlama's groupnorm has no weight
     const auto p = params_of(native);
-    const index_t d = c.e / (2 * c.h), nh = 2 * c.h, nkv = 2 * c.hkv;
+    const index_t d = c.hd ? c.hd : c.e / (2 * c.h), nh = 2 * c.h, nkv = 2 * c.hkv;
 
     // DiffLlama weights from the native ones, by the inverse of the documented
     // permutation: native q row (2j + m, 2i + r) is DiffLlama row (j + m nh/2, i + r d/2).
@@ -843,7 +849,7 @@ TEST_CASE("a DiffLlama-layout checkpoint loads into the same layer", "[module][s
     CHECK(diff < 1e-12);
     // and both are DiffLlama's own computation on its own weights
     CHECK(rel_error(y_loaded, [&](index_t b) {
-            return reference_diffllama(hf, nh, nkv, d, cfg.depth, batch_rows(x, b));
+            return reference_diffllama(hf, nh, nkv, d, cfg.depth, batch_rows(x, b), c.eps);
           }) < 1e-12);
     // the native loader refuses this file (no out_proj.weight)
     MultiheadDiffAttnV1<double> other_layer(cfg);
