@@ -1,0 +1,128 @@
+// Context parallelism: W ranks x 1 thread against 1 process x 1 thread.
+//
+//   mpirun -np 2 ./build/bench/bench_mpi [--n 16384] [--heads 2] [--d 64] [--reps 3]
+//
+// DIFF V1, causal, float. Baselines on rank 0 alone (the other ranks sleep,
+// not spin): the fused single-process kernel, and the ring code on a
+// one-rank communicator (the same per-map arithmetic, no communication).
+// Then the ring over all ranks, zigzag and contiguous: time of the slowest
+// rank, the largest fraction of a call spent waiting on MPI, bytes sent.
+// Best of --reps runs each.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include <diffattn/attention.hpp>
+#include <diffattn/detail/random.hpp>
+#include <diffattn/mpi.hpp>
+
+using diffattn::AttentionOptions;
+using diffattn::index_t;
+using diffattn::Tensor;
+namespace dm = diffattn::mpi;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Tensor<float, 4> random4(const std::array<index_t, 4>& shape, std::uint64_t seed) {
+  Tensor<float, 4> t(shape);
+  diffattn::detail::Rng rng(seed);
+  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(rng.normal());
+  return t;
+}
+
+/// Runs f on rank 0 while the other ranks sleep in a non-blocking barrier.
+void on_root_alone(int rank, const std::function<void()>& f) {
+  if (rank == 0) f();
+  MPI_Request req;
+  MPI_Ibarrier(MPI_COMM_WORLD, &req);
+  int done = 0;
+  while (!done) {
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  index_t N = 16384, H = 2, d = 64;
+  int reps = 3;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--n")) N = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--d")) d = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[++i]);
+  }
+  const index_t B = 1, Hkv = H;
+  const float lambda = 0.8f;
+  AttentionOptions o;
+  o.causal = true;
+  o.num_threads = 1;
+  const auto q = random4({B, N, 2 * H, d}, 1), k = random4({B, N, 2 * Hkv, d}, 2),
+             v = random4({B, N, Hkv, 2 * d}, 3);
+  if (rank == 0)
+    std::printf("DIFF V1 causal, B=1, H=%lld, d=%lld, N=%lld, float, 1 thread per process\n",
+                static_cast<long long>(H), static_cast<long long>(d), static_cast<long long>(N));
+  double fused = 1e30, self_ring = 1e30;
+  on_root_alone(rank, [&] {
+    Tensor<float, 4> out({B, N, H, 2 * d});
+    Tensor<float, 3> lse({B, 2 * H, N});
+    for (int r = 0; r < reps; ++r) {
+      const double t0 = now();
+      diffattn::diff_attention_v1<float>(q, k, v, lambda, out, lse, o);
+      fused = std::min(fused, now() - t0);
+    }
+    for (int r = 0; r < reps; ++r) {
+      const double t0 = now();
+      dm::diff_attention_v1<float>(MPI_COMM_SELF, q, k, v, lambda, out, lse, o);
+      self_ring = std::min(self_ring, now() - t0);
+    }
+    std::printf("  %-36s %8.3f s\n", "1 process, fused kernel", fused);
+    std::printf("  %-36s %8.3f s\n", "1 process, ring code (1 rank)", self_ring);
+  });
+  for (dm::Sharding s : {dm::Sharding::zigzag, dm::Sharding::contiguous}) {
+    const auto ql = dm::shard(q, rank, world, s), kl = dm::shard(k, rank, world, s),
+               vl = dm::shard(v, rank, world, s);
+    const index_t n = ql.shape(1);
+    Tensor<float, 4> out({B, n, H, 2 * d});
+    Tensor<float, 3> lse({B, 2 * H, n});
+    double best = 1e30, wait_frac = 0, bytes = 0;
+    for (int r = 0; r < reps; ++r) {
+      dm::RingStats st;
+      MPI_Barrier(MPI_COMM_WORLD);
+      dm::diff_attention_v1<float>(MPI_COMM_WORLD, ql, kl, vl, lambda, out, lse, o, s, &st);
+      double mine[2] = {st.seconds, st.wait_seconds / st.seconds}, worst[2];
+      MPI_Allreduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      if (worst[0] < best) {
+        best = worst[0];
+        wait_frac = worst[1];
+        bytes = double(st.bytes_sent);
+      }
+    }
+    if (rank == 0) {
+      char label[64];
+      std::snprintf(label, sizeof label, "%d ranks, ring, %s", world,
+                    s == dm::Sharding::zigzag ? "zigzag" : "contiguous");
+      std::printf(
+          "  %-36s %8.3f s   speed-up %.2f (vs fused) %.2f (vs 1-rank ring)   "
+          "waiting on MPI <= %.1f%%   sent %.1f MiB per rank\n",
+          label, best, fused / best, self_ring / best, 100 * wait_frac, bytes / (1 << 20));
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
