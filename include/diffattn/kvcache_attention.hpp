@@ -37,7 +37,7 @@ struct KVCacheBatch {
   /// Keys per split-KV chunk of a decoding step (fewer than 6 new queries per
   /// sequence): longer key ranges are cut into chunks of this many keys, each
   /// a task, merged as softmax states in chunk order. 0 means the default,
-  /// 4096; a value at least the longest cache turns splitting off. The chunks
+  /// 1024; a value at least the longest cache turns splitting off. The chunks
   /// never depend on the thread count, so neither does the result.
   index_t split_keys = 0;
 };

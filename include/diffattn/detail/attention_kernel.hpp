@@ -214,7 +214,7 @@ inline std::uint64_t next_call_id() {
 
 /// Runs a validated problem. A sequence of at least kMR queries runs as
 /// (head, run of query blocks) tasks of process_block; one of fewer (a
-/// decoding step) as (kv group, key chunk) tasks of decode_kernel.hpp. Tasks
+/// decoding step) as one task per key chunk (decode_kernel.hpp). Tasks
 /// are handed out dynamically.
 ///
 /// Blocks of one (sequence, head) go last to first: under the causal mask the
@@ -224,7 +224,7 @@ inline std::uint64_t next_call_id() {
 /// consecutive blocks, so that one thread packs the keys of the run once.
 ///
 /// A decoding step split into several key chunks leaves one state per chunk;
-/// a second pass merges each (sequence, kv group)'s states in chunk order and
+/// a second pass merges each sequence's states in chunk order and
 /// writes the output. Which chunks exist follows from the problem alone, so
 /// the result is the same for any thread count.
 template <class T>
@@ -234,7 +234,7 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
   const index_t run = p.band.left >= 0 ? Cfg::kPackAhead : 1;  // blocks per task
   const index_t S = p.num_seqs();
   if (S == 0 || p.heads == 0) return;
-  const index_t groups = p.heads / p.group, dv = p.value_dim;
+  const index_t dv = p.value_dim;
   const auto at = [](index_t i) { return static_cast<std::size_t>(i); };
 
   // Per sequence: its first task, its decoding chunks (0: not decoding) and
@@ -247,8 +247,8 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     if (sq.n > 0 && sq.n < Cfg::kMR) {
       plan[at(s)] = decode_chunks(p, sq);
       chunks[at(s)] = plan[at(s)].count;
-      tasks = groups * chunks[at(s)];
-      if (chunks[at(s)] > 1) states = tasks * decode_lanes(p, 0, sq.n).rows() * (dv + 1);
+      tasks = chunks[at(s)];
+      if (tasks > 1) states = tasks * decode_lanes(p, sq.n).rows() * (dv + 1);
     } else {
       const index_t nb = (sq.n + bm - 1) / bm;
       tasks = p.heads * ((nb + run - 1) / run);
@@ -270,8 +270,8 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     const SeqSpan sq = p.seq(s);
     Workspace<T>& ws = thread_workspace<T>();
     if (chunks[at(s)] > 0) {
-      const index_t nc = chunks[at(s)], g = local / nc, c = local % nc;
-      const DecodeLanes dl = decode_lanes(p, g, sq.n);
+      const index_t nc = chunks[at(s)], c = local;
+      const DecodeLanes dl = decode_lanes(p, sq.n);
       const DecodeChunks& pl = plan[at(s)];
       if (nc == 1) {
         T* o = ws.o.get(dl.rows() * dv);
@@ -293,20 +293,20 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
                  [] { thread_workspace<T>().trim(); });
   if (states.empty()) return;
 
-  // Merge the chunk states of every split (sequence, kv group), in chunk order.
-  std::vector<index_t> split;  // (sequence, kv group) pairs, s * groups + g
+  // Merge the chunk states of every split sequence, in chunk order.
+  std::vector<index_t> split;
   for (index_t s = 0; s < S; ++s)
-    if (chunks[at(s)] > 1)
-      for (index_t g = 0; g < groups; ++g) split.push_back(s * groups + g);
+    if (chunks[at(s)] > 1) split.push_back(s);
   const index_t merges = static_cast<index_t>(split.size());
   parallel_tasks(
       merges, resolve_threads(options.num_threads, merges),
       [&](index_t t) {
-        const index_t s = split[at(t)] / groups, g = split[at(t)] % groups;
+        const index_t s = split[at(t)];
         const SeqSpan sq = p.seq(s);
-        const DecodeLanes dl = decode_lanes(p, g, sq.n);
-        const index_t nc = chunks[at(s)], stride = dl.rows() * (dv + 1);
-        T* st = states.data() + state_first[at(s)] + g * nc * stride;
+        const DecodeLanes dl = decode_lanes(p, sq.n);
+        const index_t stride = dl.rows() * (dv + 1);
+        T* st = states.data() + state_first[at(s)];
+        const index_t nc = chunks[at(s)];
         merge_chunk_states(st, nc, stride, dl.rows(), dv);
         decode_finish(p, sq, dl, st, st + dl.rows() * dv);
       },

@@ -1,13 +1,15 @@
 // Decoding steps: a few new queries (fewer than kMR) of one sequence against
 // its cached keys, for plain, V1 and V2 attention.
 //
-// One task = one sequence, one kv group, one chunk of the visible keys. Every
-// query row of the group goes through one pass over the chunk's K and V rows:
-// plain GQA's Hq / Hkv heads, V2's pairs of the group (both maps on the one kv
-// head), V1's DIFF heads of the group (map 1 on key head 2g, map 2 on 2g+1).
-// Each K and V row is thus read once per kv group and step, in place (rows come
-// through the problem's row source: contiguous, per-sequence lengths or paged),
-// since packing them would cost more than the products, which are memory-bound.
+// One task = one sequence, one chunk of its visible keys. Every query row goes
+// through one pass over the chunk's K and V rows, each key row holding every
+// kv group's heads: plain GQA's Hq / Hkv heads per kv head, V2's pairs of the
+// group (both maps on the one kv head), V1's DIFF heads of the group (map 1 on
+// key head 2g, map 2 on 2g + 1). Each K and V row is thus read once per step,
+// in place (rows come through the problem's row source: contiguous,
+// per-sequence lengths or paged), front to back in the usual (.., M, H, D)
+// layout, since packing would cost more than the memory-bound products.
+// Parallelism comes from the batch and from the chunks (kSplitKeys keys).
 //
 // A task leaves a softmax state per map and row (o normalised over the chunk,
 // lse), never W = A1 - lambda A2: the states of a sequence's chunks merge in
@@ -33,40 +35,30 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// The query rows of one kv group in a decoding step. Lane l is map l % maps
-/// of output head first_head + l / maps; row r = l * n + ii is query ii of
-/// lane l. Lanes read key head khead[slot(l)] and value head vhead.
+/// The query rows of a decoding step: every query head of the problem. Lane l
+/// is map l % maps of output head l / maps; row r = l * n + ii is query ii of
+/// lane l. The lanes of kv group g are [g per_group, (g + 1) per_group); they
+/// read key head g (V1: 2g for map 1, 2g + 1 for map 2) and value head g.
 struct DecodeLanes {
-  index_t first_head;  // first output head of the group
-  index_t lanes;       // group * maps
-  int maps;            // 1 (plain) or 2
-  int key_heads;       // 1, or 2 for V1 (one per map)
-  index_t khead[2];
-  index_t vhead;
-  index_t n;  // queries per lane
+  index_t lanes;      // heads * maps
+  index_t per_group;  // lanes per kv group: group * maps
+  index_t groups;     // kv groups (Hkv)
+  int maps;           // 1 (plain) or 2
+  int key_heads;      // key heads per kv group: 1, or 2 for V1 (one per map)
+  index_t n;          // queries per lane
   index_t rows() const { return lanes * n; }
-  int slot(index_t l) const { return key_heads == 2 ? static_cast<int>(l % maps) : 0; }
 };
 
 template <class T>
-DecodeLanes decode_lanes(const AttentionProblem<T>& p, index_t g, index_t n) {
-  const HeadMap hm = head_map(p, g * p.group);
+DecodeLanes decode_lanes(const AttentionProblem<T>& p, index_t n) {
   DecodeLanes dl{};
-  dl.first_head = g * p.group;
   dl.maps = p.maps();
-  dl.lanes = p.group * dl.maps;
+  dl.lanes = p.heads * dl.maps;
+  dl.per_group = p.group * dl.maps;
+  dl.groups = p.heads / p.group;
   dl.key_heads = p.kind == AttnKind::v1 ? 2 : 1;
-  dl.khead[0] = hm.k[0];
-  dl.khead[1] = hm.k[1];
-  dl.vhead = hm.v;
   dl.n = n;
   return dl;
-}
-
-/// Query head of lane l.
-template <class T>
-index_t lane_query_head(const AttentionProblem<T>& p, const DecodeLanes& dl, index_t l) {
-  return head_map(p, dl.first_head + l / dl.maps).q[l % dl.maps];
 }
 
 /// The keys a decoding step of sequence sq sees, [kb, ke), and its chunks.
@@ -85,9 +77,10 @@ DecodeChunks decode_chunks(const AttentionProblem<T>& p, const SeqSpan& sq) {
   return {kb, ke, p.split_keys, (keys + p.split_keys - 1) / p.split_keys};
 }
 
-/// States of every row of kv group g of sequence sq over the keys [lo, hi):
-/// o (rows, dv) normalised over the keys each row sees there, lse (rows), -inf
-/// and zeros for a row that sees none of them.
+/// States of every query row of sequence sq over the keys [lo, hi): o (rows,
+/// dv) normalised over the keys each row sees there, lse (rows); -inf and
+/// zeros for a row that sees none of them. Key by key, every kv group's heads
+/// of that key: a cache laid out (.., M, H, D) is read front to back.
 template <class T>
 void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    index_t lo, index_t hi, Workspace<T>& ws, T* o, T* lse) {
@@ -104,11 +97,13 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
   }
   const index_t jlo = rb[0], jhi = std::max(jlo, re[n - 1]);
   const index_t lds = std::max<index_t>(jhi - jlo, 1);
+  const index_t ksh = p.k.stride(2), vsh = p.v.stride(2);  // head strides of the caches
+  const int kh = dl.key_heads;
 
   // Scaled queries (R, d).
   T* qs = ws.q[0].get(R * d);
   for (index_t l = 0; l < dl.lanes; ++l) {
-    const index_t qh = lane_query_head(p, dl, l);
+    const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
     for (index_t ii = 0; ii < n; ++ii) {
       const T* src = &p.q(sq.b, sq.q0 + ii, qh, 0);
       T* dst = qs + (l * n + ii) * d;
@@ -119,17 +114,17 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
   // Scores (R, lds): each key row once, against every query row that reads it.
   T* s = ws.s[0].get(R * lds);
   for (index_t j = jlo; j < jhi; ++j) {
-    for (int slot = 0; slot < dl.key_heads; ++slot) {
-      if (j + kPrefetchRows < jhi)
-        prefetch_row(p.key_row(sq, j + kPrefetchRows, dl.khead[slot]), d);
-      const RowMap krow(p.key_row(sq, j, dl.khead[slot]), d);
-      for (index_t l = slot; l < dl.lanes; l += dl.key_heads)
-        for (index_t ii = 0; ii < n; ++ii)
-          if (j >= rb[ii] && j < re[ii]) {
-            const index_t r = l * n + ii;
-            s[r * lds + (j - jlo)] = RowMap(qs + r * d, d).dot(krow);
-          }
-    }
+    const T* k0 = p.key_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g)
+      for (int slot = 0; slot < kh; ++slot) {
+        const RowMap krow(k0 + (g * kh + slot) * ksh, d);
+        for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
+          for (index_t ii = 0; ii < n; ++ii)
+            if (j >= rb[ii] && j < re[ii]) {
+              const index_t r = l * n + ii;
+              s[r * lds + (j - jlo)] = RowMap(qs + r * d, d).dot(krow);
+            }
+      }
   }
 
   // Exact softmax per row over its keys of the chunk, normalised in place.
@@ -145,35 +140,36 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
   // o = W V, each value row once.
   std::fill(o, o + R * dv, T(0));
   for (index_t j = jlo; j < jhi; ++j) {
-    if (j + kPrefetchRows < jhi) prefetch_row(p.value_row(sq, j + kPrefetchRows, dl.vhead), dv);
-    const ConstArrayMap vrow(p.value_row(sq, j, dl.vhead), dv);
-    for (index_t r = 0; r < R; ++r) {
-      const index_t ii = r % n;
-      if (j >= rb[ii] && j < re[ii]) ArrayMap(o + r * dv, dv) += s[r * lds + (j - jlo)] * vrow;
+    const T* v0 = p.value_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g) {
+      const ConstArrayMap vrow(v0 + g * vsh, dv);
+      for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r) {
+        const index_t ii = r % n;
+        if (j >= rb[ii] && j < re[ii]) ArrayMap(o + r * dv, dv) += s[r * lds + (j - jlo)] * vrow;
+      }
     }
   }
 }
 
-/// Final output of kv group g from the merged states: out = o_1 - lambda o_2
-/// per DIFF head (o for plain), and each map's lse.
+/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
+/// (o for plain), and each map's lse.
 template <class T>
 void decode_finish(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    const T* o, const T* lse) {
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
   using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
   const index_t n = dl.n, dv = p.value_dim;
-  for (index_t l = 0; l < dl.lanes; ++l)
-    for (index_t ii = 0; ii < n && p.has_lse(); ++ii)
-      p.lse(sq.b, lane_query_head(p, dl, l), sq.q0 + ii) = lse[l * n + ii];
-  for (index_t h = 0; h < p.group; ++h) {
-    const index_t oh = dl.first_head + h;
+  for (index_t oh = 0; oh < p.heads; ++oh) {
+    const HeadMap hm = head_map(p, oh);
     for (index_t ii = 0; ii < n; ++ii) {
-      const index_t i = sq.q0 + ii;
+      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
+      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
       ArrayMap dst(&p.out(sq.b, i, oh, 0), dv);
-      const ConstArrayMap o1(o + (h * dl.maps * n + ii) * dv, dv);
+      const ConstArrayMap o1(o + r1 * dv, dv);
       if (dl.maps == 2) {
-        const ConstArrayMap o2(o + ((h * 2 + 1) * n + ii) * dv, dv);
-        dst = o1 - row_lambda(p, sq.b, i, oh) * o2;
+        const index_t r2 = r1 + n;
+        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
+        dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
       } else {
         dst = o1;
       }
