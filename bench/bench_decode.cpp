@@ -61,14 +61,12 @@ void BM_ReadBandwidth(benchmark::State& state) {
     for (index_t c = 0; c < n / 4096; ++c) {
       using namespace Eigen::internal;
       const float* p = buf.data() + c * 4096;
-      Packet a0 = pset1<Packet>(0.f), a1 = a0, a2 = a0, a3 = a0;
-      for (index_t i = 0; i < 4096; i += 4 * P) {
-        a0 = padd(a0, pload<Packet>(p + i));
-        a1 = padd(a1, pload<Packet>(p + i + P));
-        a2 = padd(a2, pload<Packet>(p + i + 2 * P));
-        a3 = padd(a3, pload<Packet>(p + i + 3 * P));
-      }
-      sink += predux(padd(padd(a0, a1), padd(a2, a3)));
+      Packet a[8];
+      for (auto& x : a) x = pset1<Packet>(0.f);
+      for (index_t i = 0; i < 4096; i += 8 * P)
+        for (int u = 0; u < 8; ++u) a[u] = padd(a[u], pload<Packet>(p + i + u * P));
+      for (int u = 1; u < 8; ++u) a[0] = padd(a[0], a[u]);
+      sink += predux(a[0]);
     }
     benchmark::DoNotOptimize(sink);
   }
