@@ -1,13 +1,16 @@
 // diffattn: header-only differential attention. One include for everything.
 #pragma once
 
+#include "analysis.hpp"
 #include "attention.hpp"
 #include "attention_backward.hpp"
 #include "config.hpp"
+#include "diff_states.hpp"
 #include "diff_weights.hpp"
 #include "error.hpp"
 #include "io/safetensors.hpp"
 #include "kv_cache.hpp"
+#include "kvcache_attention.hpp"
 #include "lambda.hpp"
 #include "matrix.hpp"
 #include "module.hpp"

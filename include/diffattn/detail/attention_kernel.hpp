@@ -31,6 +31,8 @@
 #include "../config.hpp"
 #include "../lambda.hpp"
 #include "../options.hpp"
+#include "block_info.hpp"
+#include "decode_kernel.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
@@ -42,93 +44,15 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// Head indices of one task.
-struct HeadMap {
-  index_t q[2];   // query head of each map
-  index_t k[2];   // key head of each map
-  index_t v;      // value head
-  index_t group;  // kv group, the cache key of the packed keys
-};
-
-template <class T>
-HeadMap head_map(const AttentionProblem<T>& p, index_t oh) {
-  const index_t g = oh / p.group;
-  switch (p.kind) {
-    case AttnKind::v1:
-      return {{2 * oh, 2 * oh + 1}, {2 * g, 2 * g + 1}, g, g};
-    case AttnKind::v2:
-      return {{2 * oh, 2 * oh + 1}, {g, g}, g, g};
-    default:
-      return {{oh, oh}, {g, g}, g, g};
-  }
-}
-
-template <class T>
-T row_lambda(const AttentionProblem<T>& p, index_t b, index_t i, index_t oh) {
-  if (p.kind == AttnKind::v2) return lambda_sigmoid<T>(p.lambda_logit(b, i, oh));
-  if (!p.lambda_heads.empty()) return p.lambda_heads(oh);
-  return p.lambda_scalar;
-}
-
-/// The rows of one task: a block of queries of one sequence and the band of
-/// keys they see. Row ii (query i0 + ii of the sequence) sees keys
-/// [begin(ii), end(ii)); both are non-decreasing in ii.
-struct BlockRows {
-  KeyBand band;
-  index_t n, m;  // the sequence's query and key counts
-  index_t i0;    // first query of the block
-  index_t rows;  // queries in the block
-  index_t begin(index_t ii) const { return band.begin(i0 + ii, n, m); }
-  index_t end(index_t ii) const { return band.end(i0 + ii, n, m); }
-  /// Number of keys row ii sees.
-  index_t count(index_t ii) const { return std::max<index_t>(0, end(ii) - begin(ii)); }
-};
-
-/// Scores of a block of fewer than kMR queries, from K rows in place, both
-/// maps in one pass over the keys (V2's maps share each key row):
-/// s[m][ii, j - kbase] = q_m,ii . k_m,j (q already scaled) for the keys row ii sees.
-template <class T>
-void direct_scores(const AttentionProblem<T>& p, const SeqSpan& sq, const HeadMap& hm,
-                   const BlockRows& br, index_t kbase, T* const* q, T* const* s, index_t lds) {
-  using RowMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
-  const index_t d = p.head_dim;
-  const int maps = p.maps();
-  for (index_t j = br.begin(0); j < br.end(br.rows - 1); ++j) {
-    for (int m = 0; m < maps; ++m) {
-      const RowMap krow(&p.k(sq.b, sq.k0 + j, hm.k[m], 0), d);
-      for (index_t ii = 0; ii < br.rows; ++ii)
-        if (j >= br.begin(ii) && j < br.end(ii))
-          s[m][ii * lds + (j - kbase)] = RowMap(q[m] + ii * d, d).dot(krow);
-    }
-  }
-}
-
-/// o[ii] += sum_j w[ii, j - kbase] v_j over the keys row ii sees, V rows in place.
-template <class T>
-void direct_output(const AttentionProblem<T>& p, const SeqSpan& sq, index_t vhead,
-                   const BlockRows& br, index_t kbase, const T* w, index_t lds, T* o,
-                   index_t ldo) {
-  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
-  const index_t dv = p.value_dim;
-  for (index_t j = br.begin(0); j < br.end(br.rows - 1); ++j) {
-    const ConstArrayMap vrow(&p.v(sq.b, sq.k0 + j, vhead, 0), dv);
-    for (index_t ii = 0; ii < br.rows; ++ii)
-      if (j >= br.begin(ii) && j < br.end(ii))
-        ArrayMap(o + ii * ldo, dv) += w[ii * lds + (j - kbase)] * vrow;
-  }
-}
-
-/// One task: sequence `seq`, output head oh, query block blk. Direct: a block
-/// of fewer than kMR queries (decoding) reads K and V rows in place, since
-/// packing them would cost more than the products, which are memory-bound
-/// then. A template flag, so that the tiled path's code is the same as if the
-/// direct one did not exist.
+/// One task: sequence `seq`, output head oh, query block blk (decoding steps,
+/// fewer than kMR queries, go to decode_kernel.hpp instead). Keys and values
+/// come through the problem's row source, so contiguous, per-sequence-length
+/// and paged caches take the same path.
 ///
 /// The block sees the keys [begin(0), end(rows - 1)) (a band under a window);
 /// score rows start at kbase, that band's start rounded down to a whole panel.
 /// Tiles outside the band are skipped, so the work follows the visible pairs.
-template <class T, bool Direct>
+template <class T>
 void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_t blk,
                    Workspace<T>& ws, std::uint64_t call_id) {
   using Cfg = TileConfig<T>;
@@ -174,18 +98,20 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   const bool cached = ws.packed_call == call_id && ws.packed_seq == seq &&
                       ws.packed_group == hm.group && ws.packed_begin <= kbase &&
                       ws.packed_end >= kend_block;
-  if (!Direct && !cached && kend_block > kbase) {
+  if (!cached && kend_block > kbase) {
     // Under a window the band slides left block by block (blocks run last to
     // first): pack kPackAhead blocks' worth of keys further left as well, so
     // that the next blocks this thread takes find their keys packed.
     const index_t pbegin = std::max<index_t>(0, kbase - Cfg::kPackAhead * BM) / NR * NR;
     const index_t prows = kend_block - pbegin;
-    for (int m = 0; m < kbufs; ++m)
-      pack_rows_transposed(&p.k(sq.b, sq.k0 + pbegin, hm.k[m], 0), p.k.stride(1), prows, d,
-                           ws.k[m].get(round_up(prows, NR) * d));
+    for (int m = 0; m < kbufs; ++m) {
+      const index_t kh = hm.k[m];
+      pack_rows_transposed_from([&](index_t r) { return p.key_row(sq, pbegin + r, kh); }, prows, d,
+                                ws.k[m].get(round_up(prows, NR) * d));
+    }
     // Values of the same keys in column panels, read by O = W V.
-    pack_cols(&p.v(sq.b, sq.k0 + pbegin, hm.v, 0), p.v.stride(1), prows, dv,
-              ws.v.get(prows * round_up(dv, NR)));
+    pack_cols_from([&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); }, prows, dv,
+                   ws.v.get(prows * round_up(dv, NR)));
     ws.packed_call = call_id;
     ws.packed_seq = seq;
     ws.packed_group = hm.group;
@@ -196,8 +122,7 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   // 3. Scores S_m (rows_pad, lds): panel by panel, skipping tiles outside the band.
   T* s[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) s[m] = ws.s[m].get(rows_pad * lds);
-  if constexpr (Direct) direct_scores(p, sq, hm, br, kbase, qs, s, lds);
-  for (int m = 0; m < maps && !Direct; ++m) {
+  for (int m = 0; m < maps; ++m) {
     const T* kp = ws.k[shared_k ? 0 : m].get(0) + (kbase - ws.packed_begin) * d;
     for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
       const T* panel = kp + (j0 - kbase) * d;
@@ -234,9 +159,7 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   const index_t dvp = round_up(dv, NR);
   T* o = ws.o.get(rows_pad * dvp);
   std::fill(o, o + rows_pad * dvp, T(0));
-  if constexpr (Direct) {
-    direct_output(p, sq, hm.v, br, kbase, s[0], lds, o, dvp);
-  } else {
+  {
     // Value panel c0 holds the packed keys' rows at vp + c0 * prows, key j at
     // row j - packed_begin. Chunks of kBlockN keys keep what the tiles share in L2.
     const index_t prows = ws.packed_end - ws.packed_begin, pb = ws.packed_begin;
@@ -289,13 +212,21 @@ inline std::uint64_t next_call_id() {
   return ++counter;
 }
 
-/// Runs a validated problem over (sequence, head, run of query blocks) tasks,
-/// handed out dynamically. The blocks of one (sequence, head) go last to
-/// first: under the causal mask the late blocks are the heaviest, and the
-/// first block a thread takes packs every key the others need. Under a left
-/// window the blocks cost the same and each sees a band that slides left; a
-/// task then takes a run of kPackAhead consecutive blocks, so that one thread
-/// packs the keys of the run once (see process_block).
+/// Runs a validated problem. A sequence of at least kMR queries runs as
+/// (head, run of query blocks) tasks of process_block; one of fewer (a
+/// decoding step) as one task per key chunk (decode_kernel.hpp). Tasks
+/// are handed out dynamically.
+///
+/// Blocks of one (sequence, head) go last to first: under the causal mask the
+/// late blocks are the heaviest, and the first block a thread takes packs
+/// every key the others need. Under a left window the blocks cost the same and
+/// each sees a band that slides left; a task then takes a run of kPackAhead
+/// consecutive blocks, so that one thread packs the keys of the run once.
+///
+/// A decoding step split into several key chunks leaves one state per chunk;
+/// a second pass merges each sequence's states in chunk order and
+/// writes the output. Which chunks exist follows from the problem alone, so
+/// the result is the same for any thread count.
 template <class T>
 void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options) {
   using Cfg = TileConfig<T>;
@@ -303,32 +234,83 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
   const index_t run = p.band.left >= 0 ? Cfg::kPackAhead : 1;  // blocks per task
   const index_t S = p.num_seqs();
   if (S == 0 || p.heads == 0) return;
-  auto nblocks = [&](index_t s) { return (p.seq(s).n + bm - 1) / bm; };
-  auto nruns = [&](index_t s) { return (nblocks(s) + run - 1) / run; };
-  // first[s]: the first task of sequence s; its tasks are (head, run of
-  // blocks), the runs of one head consecutive.
-  std::vector<index_t> first(static_cast<std::size_t>(S + 1), 0);
-  for (index_t s = 0; s < S; ++s)
-    first[static_cast<std::size_t>(s + 1)] = first[static_cast<std::size_t>(s)] + p.heads * nruns(s);
+  const index_t dv = p.value_dim;
+  const auto at = [](index_t i) { return static_cast<std::size_t>(i); };
+
+  // Per sequence: its first task, its decoding chunks (0: not decoding) and
+  // the offset of its chunks' states (only when there are several).
+  std::vector<index_t> first(at(S + 1), 0), chunks(at(S), 0), state_first(at(S + 1), 0);
+  std::vector<DecodeChunks> plan(at(S));
+  for (index_t s = 0; s < S; ++s) {
+    const SeqSpan sq = p.seq(s);
+    index_t tasks = 0, states = 0;
+    if (sq.n > 0 && sq.n < Cfg::kMR) {
+      plan[at(s)] = decode_chunks(p, sq);
+      chunks[at(s)] = plan[at(s)].count;
+      tasks = chunks[at(s)];
+      if (tasks > 1) states = tasks * decode_lanes(p, sq.n).rows() * (dv + 1);
+    } else {
+      const index_t nb = (sq.n + bm - 1) / bm;
+      tasks = p.heads * ((nb + run - 1) / run);
+    }
+    first[at(s + 1)] = first[at(s)] + tasks;
+    state_first[at(s + 1)] = state_first[at(s)] + states;
+  }
   const index_t tasks = first.back();
   if (tasks == 0) return;
+  std::vector<T> states(at(state_first.back()));
+  auto seq_of = [&](index_t t) {
+    return static_cast<index_t>(std::upper_bound(first.begin(), first.end(), t) - first.begin()) -
+           1;
+  };
   const std::uint64_t call_id = next_call_id();
   auto run_task = [&](index_t t) {
-    const index_t s = static_cast<index_t>(std::upper_bound(first.begin(), first.end(), t) -
-                                           first.begin()) - 1;
-    const index_t runs = nruns(s), nb = nblocks(s);
-    const index_t local = t - first[static_cast<std::size_t>(s)];
-    const index_t oh = local / runs, r = runs - 1 - local % runs;
-    for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk) {
-      const index_t rows = std::min(bm, p.seq(s).n - blk * bm);
-      if (rows < Cfg::kMR)
-        process_block<T, true>(p, s, oh, blk, thread_workspace<T>(), call_id);
-      else
-        process_block<T, false>(p, s, oh, blk, thread_workspace<T>(), call_id);
+    const index_t s = seq_of(t);
+    const index_t local = t - first[at(s)];
+    const SeqSpan sq = p.seq(s);
+    Workspace<T>& ws = thread_workspace<T>();
+    if (chunks[at(s)] > 0) {
+      const index_t nc = chunks[at(s)], c = local;
+      const DecodeLanes dl = decode_lanes(p, sq.n);
+      const DecodeChunks& pl = plan[at(s)];
+      if (nc == 1) {
+        T* o = ws.o.get(dl.rows() * dv);
+        T* lse = ws.lse.get(dl.rows());
+        decode_states(p, sq, dl, pl.begin(0), pl.end(0), ws, o, lse);
+        decode_finish(p, sq, dl, o, lse);
+      } else {
+        T* o = states.data() + state_first[at(s)] + local * dl.rows() * (dv + 1);
+        decode_states(p, sq, dl, pl.begin(c), pl.end(c), ws, o, o + dl.rows() * dv);
+      }
+      return;
     }
+    const index_t nb = (sq.n + bm - 1) / bm, runs = (nb + run - 1) / run;
+    const index_t oh = local / runs, r = runs - 1 - local % runs;
+    for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk)
+      process_block<T>(p, s, oh, blk, ws, call_id);
   };
   parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
                  [] { thread_workspace<T>().trim(); });
+  if (states.empty()) return;
+
+  // Merge the chunk states of every split sequence, in chunk order.
+  std::vector<index_t> split;
+  for (index_t s = 0; s < S; ++s)
+    if (chunks[at(s)] > 1) split.push_back(s);
+  const index_t merges = static_cast<index_t>(split.size());
+  parallel_tasks(
+      merges, resolve_threads(options.num_threads, merges),
+      [&](index_t t) {
+        const index_t s = split[at(t)];
+        const SeqSpan sq = p.seq(s);
+        const DecodeLanes dl = decode_lanes(p, sq.n);
+        const index_t stride = dl.rows() * (dv + 1);
+        T* st = states.data() + state_first[at(s)];
+        const index_t nc = chunks[at(s)];
+        merge_chunk_states(st, nc, stride, dl.rows(), dv);
+        decode_finish(p, sq, dl, st, st + dl.rows() * dv);
+      },
+      [] {});
 }
 
 }  // namespace detail

@@ -94,13 +94,23 @@ inline void prefetch_row(const T* p, index_t width) {
 #endif
 }
 
-/// Packs rows [0, rows) of an (rows x width) source, row r at src + r * ld,
-/// into panels of kNR rows each stored transposed: panel p holds
-/// dst[p * width * kNR + t * kNR + c] = src[(p * kNR + c) * ld + t]; rows from
-/// `rows` up to the next multiple of kNR are zero. Used for K: one panel is the
-/// B operand of S = Q K^T for kNR keys.
+/// Rows of a strided matrix: row r at base + r * ld. The row source of the
+/// packing functions for a contiguous key or value range; a paged cache gives
+/// another (one pointer per row, through its block table).
 template <class T>
-inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
+struct StridedRows {
+  const T* base;
+  index_t ld;
+  const T* operator()(index_t r) const noexcept { return base + r * ld; }
+};
+
+/// Packs rows [0, rows) of an (rows x width) source, row r at row(r), into
+/// panels of kNR rows each stored transposed: panel p holds
+/// dst[p * width * kNR + t * kNR + c] = row(p * kNR + c)[t]; rows from `rows`
+/// up to the next multiple of kNR are zero. Used for K: one panel is the B
+/// operand of S = Q K^T for kNR keys.
+template <class T, class Rows>
+inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
   const index_t padded = round_up(rows, nr);
   for (index_t p0 = 0; p0 < padded; p0 += nr) {
@@ -108,10 +118,10 @@ inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t
     for (index_t c = 0; c < nr; ++c) {
       const index_t j = p0 + c;
       if (j < rows) {
-        const T* row = src + j * ld;
+        const T* row = row_of(j);
         // Rows of a strided K lie far apart (one kv head among many), beyond
         // what the hardware prefetcher follows: ask for a row a few ahead.
-        if (j + kPrefetchRows < rows) prefetch_row(row + kPrefetchRows * ld, width);
+        if (j + kPrefetchRows < rows) prefetch_row(row_of(j + kPrefetchRows), width);
         for (index_t t = 0; t < width; ++t) panel[t * nr + c] = row[t];
       } else {
         for (index_t t = 0; t < width; ++t) panel[t * nr + c] = T(0);
@@ -120,12 +130,18 @@ inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t
   }
 }
 
-/// Packs a (rows x width) source, row r at src + r * ld, into column panels of
-/// kNR columns: panel c holds dst[c * rows * kNR + r * kNR + cc] =
-/// src[r * ld + c * kNR + cc], zero beyond `width`. Used for V: one panel is the
-/// B operand of O = W V for kNR output features.
+/// pack_rows_transposed_from for rows at src + r * ld.
 template <class T>
-inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
+inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
+  pack_rows_transposed_from(StridedRows<T>{src, ld}, rows, width, dst);
+}
+
+/// Packs a (rows x width) source, row r at row(r), into column panels of kNR
+/// columns: panel c holds dst[c * rows * kNR + r * kNR + cc] =
+/// row(r)[c * kNR + cc], zero beyond `width`. Used for V: one panel is the B
+/// operand of O = W V for kNR output features.
+template <class T, class Rows>
+inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
   const index_t panels = round_up(width, nr) / nr;
   for (index_t c = 0; c < panels; ++c) {
@@ -133,9 +149,9 @@ inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* 
     const index_t c0 = c * nr;
     const index_t n = std::min(nr, width - c0);
     for (index_t r = 0; r < rows; ++r) {
-      const T* row = src + r * ld + c0;
+      const T* row = row_of(r) + c0;
       T* out = panel + r * nr;
-      if (r + kPrefetchRows < rows) prefetch_row(row + kPrefetchRows * ld, n);
+      if (r + kPrefetchRows < rows) prefetch_row(row_of(r + kPrefetchRows) + c0, n);
       if (n == nr) {  // a whole panel row: a fixed-size copy the compiler inlines
         for (index_t cc = 0; cc < nr; ++cc) out[cc] = row[cc];
       } else {
@@ -144,6 +160,12 @@ inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* 
       }
     }
   }
+}
+
+/// pack_cols_from for rows at src + r * ld.
+template <class T>
+inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
+  pack_cols_from(StridedRows<T>{src, ld}, rows, width, dst);
 }
 
 }  // namespace detail

@@ -44,6 +44,17 @@ struct TileConfig {
   static_assert(kBlockM % kMR == 0, "query blocks are whole register tiles");
 };
 
+/// Keys per chunk of a split decoding step. A decoding step (fewer than kMR
+/// new queries) of a sequence whose visible keys exceed this is split into
+/// chunks of this many keys, each a task that leaves a softmax state per map
+/// and query row, merged in chunk order. The count follows from the problem
+/// alone (never from the thread count), so results do not depend on the
+/// threads. 1024 keys give a 4k cache of one sequence four tasks, keep the
+/// score rows of 16 query heads in L2 (16 x 1024 floats = 64 KiB), and make
+/// the merge (dv + 1 values per row and chunk) negligible next to the 1024 K
+/// and V rows a chunk reads.
+constexpr index_t kSplitKeys = 1024;
+
 /// Smallest multiple of `m` that is >= x (x >= 0, m > 0).
 constexpr index_t round_up(index_t x, index_t m) noexcept { return (x + m - 1) / m * m; }
 

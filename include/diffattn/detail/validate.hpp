@@ -11,6 +11,7 @@
 #include "../options.hpp"
 #include "../tensor.hpp"
 #include "format.hpp"
+#include "tile.hpp"
 #include "traits.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -49,14 +50,37 @@ struct AttentionProblem {
   const index_t* cu_q = nullptr;
   const index_t* cu_k = nullptr;
   index_t packed = 0;  // number of packed sequences
+  // KV caches (FlashAttention's cache_seqlens): batch entry b sees the keys
+  // [0, cache_seqlens(b)) of its cache; empty: all seqlen_k keys.
+  TensorView<const index_t, 1> cache_seqlens;  // (B)
+  // Paged caches (vLLM's block tables): k and v are pools (num_blocks,
+  // block_size, H, D), and key j of batch entry b is row j % block_size of
+  // block block_table(b, j / block_size). Empty: k and v are (B, M, H, D).
+  TensorView<const index_t, 2> block_table;  // (B, max_blocks_per_seq)
+  index_t block_size = 0;
+  // Decoding steps (fewer than kMR queries) split their visible keys into
+  // chunks of split_keys keys, merged as softmax states (0: never split).
+  index_t split_keys = 0;
 
   bool has_lse() const { return lse.data() != nullptr || lse.size() != 0; }
   int maps() const { return kind == AttnKind::plain ? 1 : 2; }
   /// Sequences: batch entries, or the packed sequences.
   index_t num_seqs() const { return cu_q ? packed : batch; }
   SeqSpan seq(index_t s) const {
-    if (!cu_q) return {s, 0, seqlen_q, 0, seqlen_k};
-    return {0, cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s]};
+    if (cu_q) return {0, cu_q[s], cu_q[s + 1] - cu_q[s], cu_k[s], cu_k[s + 1] - cu_k[s]};
+    if (!cache_seqlens.empty()) return {s, 0, seqlen_q, 0, cache_seqlens(s)};
+    return {s, 0, seqlen_q, 0, seqlen_k};
+  }
+  /// Key j (0-based within sequence sq) of key head h: the row source every
+  /// path reads keys through (contiguous, per-sequence lengths, paged).
+  const T* key_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(k, sq, j, h); }
+  /// Value j of sequence sq, value head h.
+  const T* value_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(v, sq, j, h); }
+
+ private:
+  const T* row_of(const TensorView<const T, 4>& t, const SeqSpan& sq, index_t j, index_t h) const {
+    if (block_table.empty()) return &t(sq.b, sq.k0 + j, h, 0);
+    return &t(block_table(sq.b, j / block_size), j % block_size, h, 0);
   }
 };
 
@@ -109,6 +133,7 @@ void validate_common(const char* fn, AttentionProblem<T>& p, const AttentionOpti
   p.causal = options.causal;
   p.band = band_of(options);
   p.scale = static_cast<T>(effective_scale(options, p.head_dim));
+  p.split_keys = kSplitKeys;
 }
 
 /// out and lse must not overlap any input or each other.
@@ -144,7 +169,7 @@ AttentionProblem<T> validate_v1(TensorView<const T, 4> q, TensorView<const T, 4>
                                 TensorView<const T, 4> v, const T* lambda,
                                 const TensorView<const T, 1>* lambda_heads, TensorView<T, 4> out,
                                 TensorView<T, 3> lse, const AttentionOptions& options,
-    const char* fn = "diff_attention_v1") {
+                                const char* fn = "diff_attention_v1") {
   AttentionProblem<T> p;
   p.kind = AttnKind::v1;
   p.q = q;
@@ -188,7 +213,7 @@ AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4>
                                 TensorView<const T, 4> v, TensorView<const T, 3> lambda_logit,
                                 TensorView<T, 4> out, TensorView<T, 3> lse,
                                 const AttentionOptions& options,
-    const char* fn = "diff_attention_v2") {
+                                const char* fn = "diff_attention_v2") {
   AttentionProblem<T> p;
   p.kind = AttnKind::v2;
   p.q = q;
@@ -228,7 +253,7 @@ template <class T>
 AttentionProblem<T> validate_plain(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                    TensorView<const T, 4> v, TensorView<T, 4> out,
                                    TensorView<T, 3> lse, const AttentionOptions& options,
-    const char* fn = "attention") {
+                                   const char* fn = "attention") {
   AttentionProblem<T> p;
   p.kind = AttnKind::plain;
   p.q = q;
@@ -273,8 +298,7 @@ TensorView<T, 3> as_batch1(const TensorView<T, 2>& t) {
 /// cu.back() = total, the token count of `tensors`.
 inline void check_cu_seqlens(const char* fn, const char* name, const std::vector<index_t>& cu,
                              index_t total, const char* tensors) {
-  if (cu.empty())
-    fail(fn, name, " is empty: it must hold S + 1 offsets for S >= 0 sequences");
+  if (cu.empty()) fail(fn, name, " is empty: it must hold S + 1 offsets for S >= 0 sequences");
   if (cu.front() != 0) fail(fn, name, "[0] must be 0, got ", cu.front());
   for (std::size_t s = 1; s < cu.size(); ++s)
     if (cu[s] < cu[s - 1])

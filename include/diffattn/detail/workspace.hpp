@@ -52,6 +52,7 @@ struct Workspace {
   ScratchBuffer<T> s[2];  // score rows; s[0] becomes W          (kBlockM, keys)
   ScratchBuffer<T> v;     // values of the packed keys, column panels (keys, dv)
   ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
+  ScratchBuffer<T> lse;   // decoding: log-sum-exp of each query row's state (rows)
 
   // Which keys k[] and v hold, [packed_begin, packed_end) of one sequence and kv
   // group, so that consecutive blocks of one head skip repacking.
@@ -59,7 +60,7 @@ struct Workspace {
   index_t packed_seq = -1, packed_group = -1, packed_begin = 0, packed_end = 0;
 
   void trim() {
-    ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o};
+    ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o, &lse};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > kRetainBytes) {

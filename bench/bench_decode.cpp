@@ -1,0 +1,156 @@
+// Decoding steps against KV caches: one new query per sequence, every K and V
+// row of the cache read once per kv group. The step is memory-bound, so the
+// figure of merit is K/V bytes read per second against what the machine can
+// stream: BM_ReadBandwidth in the same binary (1 and 2 threads).
+//
+// The caches are NOT already in cache: several copies of K/V are rotated so
+// that the working set is at least kWorkingSet = 4 x kL3Bytes. kL3Bytes is this
+// machine's L3 (32 MiB, AMD EPYC); on a machine with a larger L3 (Intel parts
+// with 480 MiB) raise kL3Bytes to its size.
+//
+// Shapes (embedding width 1024, d = 64):
+//   V1      8 DIFF heads on 8 kv pairs: k (M, 16, 64), v (M, 8, 128)
+//   V2      16 query heads (8 pairs) on 8 kv heads: k, v (M, 8, 64)
+//   Plain8  8 query heads on 8 kv heads; Plain16 16 query heads on 8 kv heads
+//   MQA     8 query heads on one kv head of d = 128, M = 256k, B = 1
+// The bytes counter is the K/V bytes a step reads (B x M rows of every kv head).
+//
+// Arguments: {M, B, threads}.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <diffattn/kvcache_attention.hpp>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace bench;
+using diffattn::KVCacheBatch;
+
+constexpr std::size_t kL3Bytes = std::size_t(32) << 20;
+constexpr std::size_t kWorkingSet = 4 * kL3Bytes;
+
+/// Fills t with uniform values in [-1, 1): cheap enough for GiB-sized caches.
+template <std::size_t R>
+void fill_uniform(Tensor<float, R>& t, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (index_t i = 0; i < t.size(); ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t.data()[i] = static_cast<float>(static_cast<std::int32_t>(x >> 32)) * (1.0f / 2147483648.0f);
+  }
+}
+
+/// Stream-reads a buffer of 8 x kL3Bytes: the bandwidth a memory-bound kernel
+/// can reach with this many threads.
+void BM_ReadBandwidth(benchmark::State& state) {
+  using Packet = diffattn::detail::TileConfig<float>::Packet;
+  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
+  const int threads = static_cast<int>(state.range(0));
+  const index_t n = static_cast<index_t>(8 * kL3Bytes / sizeof(float));
+  Tensor<float, 1> buf({n});
+  fill_uniform(buf, 1);
+  for (auto _ : state) {
+    float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
+#endif
+    for (index_t c = 0; c < n / 4096; ++c) {
+      using namespace Eigen::internal;
+      const float* p = buf.data() + c * 4096;
+      Packet a[8];
+      for (auto& x : a) x = pset1<Packet>(0.f);
+      for (index_t i = 0; i < 4096; i += 8 * P)
+        for (int u = 0; u < 8; ++u) a[u] = padd(a[u], pload<Packet>(p + i + u * P));
+      for (int u = 1; u < 8; ++u) a[0] = padd(a[0], a[u]);
+      sink += predux(a[0]);
+    }
+    benchmark::DoNotOptimize(sink);
+  }
+  set_counters(state, 0, static_cast<double>(n) * sizeof(float));
+}
+
+enum class Kind { v1, v2, plain };
+
+struct Layer {
+  Kind kind;
+  index_t qh, kh, vh, d, dv;  // query, key and value heads; widths
+};
+
+/// Rotated copies of the caches and one step's inputs, run through the
+/// layer's kvcache kernel.
+void decode(benchmark::State& state, const Layer& L) {
+  const index_t M = state.range(0), B = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  const std::size_t kv_bytes =
+      static_cast<std::size_t>(B * M) * static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4;
+  const std::size_t copies = std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
+  std::vector<Tensor<float, 4>> ks, vs;
+  for (std::size_t c = 0; c < copies; ++c) {
+    ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
+    vs.emplace_back(std::array<index_t, 4>{B, M, L.vh, L.dv});
+    fill_uniform(ks.back(), 2 * c + 1);
+    fill_uniform(vs.back(), 2 * c + 2);
+  }
+  auto q = random4({B, 1, L.qh, L.d}, 7);
+  Tensor<float, 3> logit({B, 1, L.qh / 2});
+  const index_t oh = L.kind == Kind::plain ? L.qh : L.qh / 2;
+  Tensor<float, 4> out({B, 1, oh, L.kind == Kind::v1 ? 2 * L.d : L.dv});
+  Tensor<index_t, 1> lens({B});
+  for (index_t b = 0; b < B; ++b) lens(b) = M;
+  KVCacheBatch cache;
+  cache.cache_seqlens = lens;
+  diffattn::AttentionOptions o;
+  o.causal = true;
+  o.num_threads = threads;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    const Tensor<float, 4>& k = ks[it % copies];
+    const Tensor<float, 4>& v = vs[it % copies];
+    ++it;
+    switch (L.kind) {
+      case Kind::v1:
+        diffattn::diff_attention_v1_kvcache<float>(q, k, v, 0.8f, out, {}, cache, o);
+        break;
+      case Kind::v2:
+        diffattn::diff_attention_v2_kvcache<float>(q, k, v, logit, out, {}, cache, o);
+        break;
+      default:
+        diffattn::attention_kvcache<float>(q, k, v, out, {}, cache, o);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["copies"] = static_cast<double>(copies);
+  set_counters(state, 0, static_cast<double>(kv_bytes));
+}
+
+void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }
+void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}); }
+void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
+void BM_Decode_Plain16(benchmark::State& s) { decode(s, {Kind::plain, 16, 8, 8, 64, 64}); }
+void BM_Decode_MQA(benchmark::State& s) { decode(s, {Kind::plain, 8, 1, 1, 128, 128}); }
+
+void decode_sizes(benchmark::internal::Benchmark* b) {
+  for (long m : {4096, 32768, 131072}) b->Args({m, 1, 2});
+  b->Args({4096, 8, 2});
+  b->Args({4096, 1, 1});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+}  // namespace
+
+BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Decode_V1)->Apply(decode_sizes);
+BENCHMARK(BM_Decode_V2)->Apply(decode_sizes);
+BENCHMARK(BM_Decode_Plain8)->Apply(decode_sizes);
+BENCHMARK(BM_Decode_Plain16)->Apply(decode_sizes);
+BENCHMARK(BM_Decode_MQA)
+    ->Args({262144, 1, 1})
+    ->Args({262144, 1, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+BENCHMARK_MAIN();

@@ -1,0 +1,195 @@
+// Decoding steps: a few new queries (fewer than kMR) of one sequence against
+// its cached keys, for plain, V1 and V2 attention.
+//
+// One task = one sequence, one chunk of its visible keys. Every query row goes
+// through one pass over the chunk's K and V rows, each key row holding every
+// kv group's heads: plain GQA's Hq / Hkv heads per kv head, V2's pairs of the
+// group (both maps on the one kv head), V1's DIFF heads of the group (map 1 on
+// key head 2g, map 2 on 2g + 1). Each K and V row is thus read once per step,
+// in place (rows come through the problem's row source: contiguous,
+// per-sequence lengths or paged), front to back in the usual (.., M, H, D)
+// layout, since packing would cost more than the memory-bound products.
+// Parallelism comes from the batch and from the chunks (kSplitKeys keys).
+//
+// A task leaves a softmax state per map and row (o normalised over the chunk,
+// lse), never W = A1 - lambda A2: the states of a sequence's chunks merge in
+// chunk order (merge_row) and lambda is subtracted after the last merge. The
+// chunks follow from the problem alone (split_keys and the band), so results
+// are bitwise identical for any thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include <Eigen/Core>
+
+#include "../config.hpp"
+#include "../states.hpp"
+#include "block_info.hpp"
+#include "gemm.hpp"
+#include "softmax.hpp"
+#include "validate.hpp"
+#include "workspace.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// The query rows of a decoding step: every query head of the problem. Lane l
+/// is map l % maps of output head l / maps; row r = l * n + ii is query ii of
+/// lane l. The lanes of kv group g are [g per_group, (g + 1) per_group); they
+/// read key head g (V1: 2g for map 1, 2g + 1 for map 2) and value head g.
+struct DecodeLanes {
+  index_t lanes;      // heads * maps
+  index_t per_group;  // lanes per kv group: group * maps
+  index_t groups;     // kv groups (Hkv)
+  int maps;           // 1 (plain) or 2
+  int key_heads;      // key heads per kv group: 1, or 2 for V1 (one per map)
+  index_t n;          // queries per lane
+  index_t rows() const { return lanes * n; }
+};
+
+template <class T>
+DecodeLanes decode_lanes(const AttentionProblem<T>& p, index_t n) {
+  DecodeLanes dl{};
+  dl.maps = p.maps();
+  dl.lanes = p.heads * dl.maps;
+  dl.per_group = p.group * dl.maps;
+  dl.groups = p.heads / p.group;
+  dl.key_heads = p.kind == AttnKind::v1 ? 2 : 1;
+  dl.n = n;
+  return dl;
+}
+
+/// The keys a decoding step of sequence sq sees, [kb, ke), and its chunks.
+struct DecodeChunks {
+  index_t kb, ke, size, count;
+  index_t begin(index_t c) const { return kb + c * size; }
+  index_t end(index_t c) const { return std::min(ke, kb + (c + 1) * size); }
+};
+
+template <class T>
+DecodeChunks decode_chunks(const AttentionProblem<T>& p, const SeqSpan& sq) {
+  const index_t kb = p.band.begin(0, sq.n, sq.m);
+  const index_t ke = std::max(kb, p.band.end(sq.n - 1, sq.n, sq.m));
+  const index_t keys = ke - kb;
+  if (p.split_keys <= 0 || keys <= p.split_keys) return {kb, ke, std::max<index_t>(keys, 1), 1};
+  return {kb, ke, p.split_keys, (keys + p.split_keys - 1) / p.split_keys};
+}
+
+/// States of every query row of sequence sq over the keys [lo, hi): o (rows,
+/// dv) normalised over the keys each row sees there, lse (rows); -inf and
+/// zeros for a row that sees none of them. Key by key, every kv group's heads
+/// of that key: a cache laid out (.., M, H, D) is read front to back.
+template <class T>
+void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   index_t lo, index_t hi, Workspace<T>& ws, T* o, T* lse) {
+  using RowMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+  const index_t n = dl.n, d = p.head_dim, dv = p.value_dim, R = dl.rows();
+  const BlockRows br{p.band, sq.n, sq.m, 0, n};
+  // Keys of this chunk that query ii sees: [rb[ii], re[ii]) (at most kMR queries).
+  index_t rb[TileConfig<T>::kMR], re[TileConfig<T>::kMR];
+  for (index_t ii = 0; ii < n; ++ii) {
+    rb[ii] = std::max(lo, br.begin(ii));
+    re[ii] = std::max(rb[ii], std::min(hi, br.end(ii)));
+  }
+  const index_t jlo = rb[0], jhi = std::max(jlo, re[n - 1]);
+  const index_t lds = std::max<index_t>(jhi - jlo, 1);
+  const index_t ksh = p.k.stride(2), vsh = p.v.stride(2);  // head strides of the caches
+  const int kh = dl.key_heads;
+
+  // Scaled queries (R, d).
+  T* qs = ws.q[0].get(R * d);
+  for (index_t l = 0; l < dl.lanes; ++l) {
+    const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
+    for (index_t ii = 0; ii < n; ++ii) {
+      const T* src = &p.q(sq.b, sq.q0 + ii, qh, 0);
+      T* dst = qs + (l * n + ii) * d;
+      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * src[t];
+    }
+  }
+
+  // Scores (R, lds): each key row once, against every query row that reads it.
+  T* s = ws.s[0].get(R * lds);
+  for (index_t j = jlo; j < jhi; ++j) {
+    const T* k0 = p.key_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g)
+      for (int slot = 0; slot < kh; ++slot) {
+        const RowMap krow(k0 + (g * kh + slot) * ksh, d);
+        for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
+          for (index_t ii = 0; ii < n; ++ii)
+            if (j >= rb[ii] && j < re[ii]) {
+              const index_t r = l * n + ii;
+              s[r * lds + (j - jlo)] = RowMap(qs + r * d, d).dot(krow);
+            }
+      }
+  }
+
+  // Exact softmax per row over its keys of the chunk, normalised in place.
+  for (index_t r = 0; r < R; ++r) {
+    const index_t ii = r % n, cnt = re[ii] - rb[ii];
+    T* w = s + r * lds + (rb[ii] - jlo);
+    const RowStats<T> st = exp_row(w, cnt, false);
+    lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<T>::infinity();
+    const T c = st.sum > T(0) ? T(1) / st.sum : T(0);
+    ArrayMap(w, cnt) *= c;
+  }
+
+  // o = W V, each value row once.
+  std::fill(o, o + R * dv, T(0));
+  for (index_t j = jlo; j < jhi; ++j) {
+    const T* v0 = p.value_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g) {
+      const ConstArrayMap vrow(v0 + g * vsh, dv);
+      for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r) {
+        const index_t ii = r % n;
+        if (j >= rb[ii] && j < re[ii]) ArrayMap(o + r * dv, dv) += s[r * lds + (j - jlo)] * vrow;
+      }
+    }
+  }
+}
+
+/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
+/// (o for plain), and each map's lse.
+template <class T>
+void decode_finish(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   const T* o, const T* lse) {
+  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+  const index_t n = dl.n, dv = p.value_dim;
+  for (index_t oh = 0; oh < p.heads; ++oh) {
+    const HeadMap hm = head_map(p, oh);
+    for (index_t ii = 0; ii < n; ++ii) {
+      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
+      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
+      ArrayMap dst(&p.out(sq.b, i, oh, 0), dv);
+      const ConstArrayMap o1(o + r1 * dv, dv);
+      if (dl.maps == 2) {
+        const index_t r2 = r1 + n;
+        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
+        dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
+      } else {
+        dst = o1;
+      }
+    }
+  }
+}
+
+/// Merges the states of chunks 1 .. count - 1 into chunk 0's, in chunk order.
+/// A chunk's state is (rows, dv) outputs then (rows) lse, `stride` values apart.
+template <class T>
+void merge_chunk_states(T* states, index_t count, index_t stride, index_t rows, index_t dv) {
+  T* o0 = states;
+  T* l0 = states + rows * dv;
+  for (index_t c = 1; c < count; ++c) {
+    const T* oc = states + c * stride;
+    const T* lc = oc + rows * dv;
+    for (index_t r = 0; r < rows; ++r)
+      l0[r] = merge_row(o0 + r * dv, l0[r], oc + r * dv, lc[r], dv);
+  }
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE
