@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""Turns bench_attention's JSON output into the README's table.
+"""Turns bench_attention's JSON output into the README's tables.
 
     ./build/bench/bench_attention --benchmark_out=bench.json --benchmark_out_format=json
     python3 bench/table.py bench.json
+
+Every rate is also given as a fraction of the FMA peak probe of the same run
+(the widest vectors the build targets), so tables from different machines
+compare.
 """
 import json
 import sys
@@ -11,25 +15,40 @@ import sys
 def main(path):
     runs = {}
     for b in json.load(open(path))["benchmarks"]:
-        runs[b["name"].replace("/real_time", "")] = b
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        name = b["name"].replace("/real_time", "").replace("_median", "").replace("bench::", "")
+        runs[name] = b
     peak = {t: runs[f"BM_FmaPeak/{t}"]["GFLOPS"] / 1e9 for t in (1, 2)}
     print(f"FMA peak: 1 thread {peak[1]:.0f} GFLOP/s, 2 threads {peak[2]:.0f} GFLOP/s\n")
     print("| N | threads | V1 ms | V2 ms | plain ms | reference V1 ms "
-          "| V1 GFLOP/s (of peak) | V1 / plain | V2 / plain | reference / V1 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| V1 GFLOP/s (of peak) | V2 (of peak) | plain (of peak) | V1 / plain | V2 / plain "
+          "| reference / V1 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    ms = lambda b: b["real_time"]  # the benchmarks report milliseconds
+    rate = lambda b, t: f"{b['GFLOPS'] / 1e9:.0f} ({100 * b['GFLOPS'] / 1e9 / peak[t]:.0f}%)"
     for threads in (1, 2):
         for n in (256, 1024, 2048, 4096, 16384):
             get = lambda kind: runs.get(f"BM_{kind}/{n}/{threads}")
             v1, v2, plain, ref = get("Fused_V1"), get("Fused_V2"), get("Fused_Plain"), get("Reference_V1")
             if not (v1 and v2 and plain):
                 continue
-            ms = lambda b: b["real_time"]  # the benchmarks report milliseconds
-            gflops = v1["GFLOPS"] / 1e9
             ref_ms = f"{ms(ref):.1f}" if ref else "-"
             ratio = f"{ms(ref) / ms(v1):.1f}x" if ref else "-"
             print(f"| {n} | {threads} | {ms(v1):.1f} | {ms(v2):.1f} | {ms(plain):.1f} | {ref_ms} "
-                  f"| {gflops:.0f} ({100 * gflops / peak[threads]:.0f}%) | {ms(v1) / ms(plain):.2f} "
-                  f"| {ms(v2) / ms(plain):.2f} | {ratio} |")
+                  f"| {rate(v1, threads)} | {rate(v2, threads)} | {rate(plain, threads)} "
+                  f"| {ms(v1) / ms(plain):.2f} | {ms(v2) / ms(plain):.2f} | {ratio} |")
+    rows = []
+    for kind in ("V1Backward", "PlainBackward"):
+        for threads in (1, 2):
+            for n in (1024, 4096):
+                b = runs.get(f"BM_Fused_{kind}/{n}/{threads}")
+                if b:
+                    rows.append(f"| {kind} | {n} | {threads} | {ms(b):.1f} | {rate(b, threads)} |")
+    if rows:
+        print("\n| backward | N | threads | ms | GFLOP/s (of peak) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":
