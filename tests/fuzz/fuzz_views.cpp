@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <diffattn/attention.hpp>
+#include <diffattn/packed.hpp>
 #include <diffattn/attention_backward.hpp>
 
 namespace {
@@ -104,6 +105,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Buffer out(in, {B, N, oh, ow}, in.u8());
   diffattn::Tensor<float, 3> lse({B, std::max<index_t>(qh, 0), N});
   diffattn::Tensor<float, 3> logit({B, N, oh});
+  // Windows: 0 means no limit, 255 an invalid -2, else 0 .. 9.
+  auto window = [&](std::uint8_t b) -> index_t { return b == 255 ? -2 : b % 11 - 1; };
+  opt.window_left = window(in.u8());
+  opt.window_right = window(in.u8());
   TensorView<float, 4> out_view =
       alias ? TensorView<float, 4>(q.mem.data(), out.shape, out.strides) : out.view();
   if (alias && q.mem.size() < out.mem.size()) out_view = out.view();
@@ -128,6 +133,24 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
     }
   } catch (const diffattn::error&) {
+  }
+  // A packed batch over q's and k's first batch entry with fuzzed offsets
+  // (any order, any end): accepted and computed, or refused cleanly.
+  if (B > 0 && (mode & 4)) {
+    diffattn::PackedSequences seqs;
+    const int S = in.u8() % 4;
+    for (int i = 0; i <= S; ++i) seqs.cu_seqlens_q.push_back(static_cast<index_t>(in.u8() % 11) - 1);
+    if (in.u8() & 1)
+      for (int i = 0; i <= S; ++i) seqs.cu_seqlens_k.push_back(static_cast<index_t>(in.u8() % 11) - 1);
+    auto first = [](Buffer& b) {
+      return TensorView<const float, 3>(b.mem.data(), {b.shape[1], b.shape[2], b.shape[3]},
+                                        {b.strides[1], b.strides[2], b.strides[3]});
+    };
+    diffattn::Tensor<float, 3> pout({N, std::max<index_t>(oh, 0), std::max<index_t>(ow, 0)});
+    try {
+      diffattn::attention_varlen<float>(first(q), first(k), first(v), pout, {}, seqs, opt);
+    } catch (const diffattn::error&) {
+    }
   }
   return 0;
 }
