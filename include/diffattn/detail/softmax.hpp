@@ -37,7 +37,7 @@ inline T row_max(const T* x, index_t n) {
 template <class T>
 inline T exp_shift_sum(T* x, index_t n, T m) {
   using Packet = typename Eigen::internal::packet_traits<T>::type;
-  constexpr index_t P = Eigen::internal::unpacket_traits<Packet>::size;
+  constexpr index_t P = Eigen::internal::packet_traits<T>::size;
   using namespace Eigen::internal;  // NOLINT: Eigen's packet vocabulary
   const Packet pm = pset1<Packet>(m);
   Packet acc0 = pset1<Packet>(T(0)), acc1 = acc0;
