@@ -21,12 +21,14 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include <Eigen/Core>
 
 #include "../config.hpp"
 #include "../states.hpp"
 #include "block_info.hpp"
+#include "convert.hpp"
 #include "gemm.hpp"
 #include "softmax.hpp"
 #include "validate.hpp"
@@ -49,8 +51,8 @@ struct DecodeLanes {
   index_t rows() const { return lanes * n; }
 };
 
-template <class T>
-DecodeLanes decode_lanes(const AttentionProblem<T>& p, index_t n) {
+template <class T, class KV>
+DecodeLanes decode_lanes(const AttentionProblem<T, KV>& p, index_t n) {
   DecodeLanes dl{};
   dl.maps = p.maps();
   dl.lanes = p.heads * dl.maps;
@@ -68,8 +70,8 @@ struct DecodeChunks {
   index_t end(index_t c) const { return std::min(ke, kb + (c + 1) * size); }
 };
 
-template <class T>
-DecodeChunks decode_chunks(const AttentionProblem<T>& p, const SeqSpan& sq) {
+template <class T, class KV>
+DecodeChunks decode_chunks(const AttentionProblem<T, KV>& p, const SeqSpan& sq) {
   const index_t kb = p.band.begin(0, sq.n, sq.m);
   const index_t ke = std::max(kb, p.band.end(sq.n - 1, sq.n, sq.m));
   const index_t keys = ke - kb;
@@ -81,16 +83,20 @@ DecodeChunks decode_chunks(const AttentionProblem<T>& p, const SeqSpan& sq) {
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them. Key by key, every kv group's heads
 /// of that key: a cache laid out (.., M, H, D) is read front to back.
-template <class T>
-void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   index_t lo, index_t hi, Workspace<T>& ws, T* o, T* lse) {
-  using RowMap = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
-  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+///
+/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>. A row
+/// stored narrower than C (a 16-bit cache) is widened once as it is read,
+/// into a row buffer, and then used by every query row of its group.
+template <class T, class KV, class C>
+void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
+  using RowMap = Eigen::Map<const Eigen::Matrix<C, 1, Eigen::Dynamic>>;
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
   const index_t n = dl.n, d = p.head_dim, dv = p.value_dim, R = dl.rows();
   const BlockRows br{p.band, sq.n, sq.m, 0, n};
   // Keys of this chunk that query ii sees: [rb[ii], re[ii]) (at most kMR queries).
-  index_t rb[TileConfig<T>::kMR], re[TileConfig<T>::kMR];
+  index_t rb[TileConfig<C>::kMR], re[TileConfig<C>::kMR];
   for (index_t ii = 0; ii < n; ++ii) {
     rb[ii] = std::max(lo, br.begin(ii));
     re[ii] = std::max(rb[ii], std::min(hi, br.end(ii)));
@@ -101,23 +107,25 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
   const int kh = dl.key_heads;
 
   // Scaled queries (R, d).
-  T* qs = ws.q[0].get(R * d);
+  C* qs = ws.q[0].get(R * d);
+  C* rowbuf = ws.row.get(std::max(d, dv));  // one K or V row widened to C
   for (index_t l = 0; l < dl.lanes; ++l) {
     const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
     for (index_t ii = 0; ii < n; ++ii) {
       const T* src = &p.q(sq.b, sq.q0 + ii, qh, 0);
-      T* dst = qs + (l * n + ii) * d;
-      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * src[t];
+      C* dst = qs + (l * n + ii) * d;
+      const C* row = row_as<C>(src, d, dst);
+      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
     }
   }
 
   // Scores (R, lds): each key row once, against every query row that reads it.
-  T* s = ws.s[0].get(R * lds);
+  C* s = ws.s[0].get(R * lds);
   for (index_t j = jlo; j < jhi; ++j) {
-    const T* k0 = p.key_row(sq, j, 0);
+    const KV* k0 = p.key_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
-        const RowMap krow(k0 + (g * kh + slot) * ksh, d);
+        const RowMap krow(row_as<C>(k0 + (g * kh + slot) * ksh, d, rowbuf), d);
         for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
           for (index_t ii = 0; ii < n; ++ii)
             if (j >= rb[ii] && j < re[ii]) {
@@ -130,19 +138,19 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
   // Exact softmax per row over its keys of the chunk, normalised in place.
   for (index_t r = 0; r < R; ++r) {
     const index_t ii = r % n, cnt = re[ii] - rb[ii];
-    T* w = s + r * lds + (rb[ii] - jlo);
-    const RowStats<T> st = exp_row(w, cnt, false);
-    lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<T>::infinity();
-    const T c = st.sum > T(0) ? T(1) / st.sum : T(0);
+    C* w = s + r * lds + (rb[ii] - jlo);
+    const RowStats<C> st = exp_row(w, cnt, false);
+    lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<C>::infinity();
+    const C c = st.sum > C(0) ? C(1) / st.sum : C(0);
     ArrayMap(w, cnt) *= c;
   }
 
   // o = W V, each value row once.
-  std::fill(o, o + R * dv, T(0));
+  std::fill(o, o + R * dv, C(0));
   for (index_t j = jlo; j < jhi; ++j) {
-    const T* v0 = p.value_row(sq, j, 0);
+    const KV* v0 = p.value_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g) {
-      const ConstArrayMap vrow(v0 + g * vsh, dv);
+      const ConstArrayMap vrow(row_as<C>(v0 + g * vsh, dv, rowbuf), dv);
       for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r) {
         const index_t ii = r % n;
         if (j >= rb[ii] && j < re[ii]) ArrayMap(o + r * dv, dv) += s[r * lds + (j - jlo)] * vrow;
@@ -152,19 +160,25 @@ void decode_states(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
 }
 
 /// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
-/// (o for plain), and each map's lse.
-template <class T>
-void decode_finish(const AttentionProblem<T>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   const T* o, const T* lse) {
-  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+/// (o for plain), and each map's lse. Rows stored narrower than C are formed
+/// in ws.row and rounded once as they are written.
+template <class T, class KV, class C>
+void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   const C* o, const C* lse, Workspace<C>& ws) {
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
   const index_t n = dl.n, dv = p.value_dim;
+  constexpr bool same = std::is_same<T, C>::value;
+  C* tmp = same ? nullptr : ws.row.get(dv);
   for (index_t oh = 0; oh < p.heads; ++oh) {
     const HeadMap hm = head_map(p, oh);
     for (index_t ii = 0; ii < n; ++ii) {
       const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
       if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
-      ArrayMap dst(&p.out(sq.b, i, oh, 0), dv);
+      T* out_row = &p.out(sq.b, i, oh, 0);
+      C* dst_row = tmp;
+      if constexpr (same) dst_row = out_row;
+      ArrayMap dst(dst_row, dv);
       const ConstArrayMap o1(o + r1 * dv, dv);
       if (dl.maps == 2) {
         const index_t r2 = r1 + n;
@@ -173,6 +187,7 @@ void decode_finish(const AttentionProblem<T>& p, const SeqSpan& sq, const Decode
       } else {
         dst = o1;
       }
+      if constexpr (!same) convert_row(tmp, dv, out_row);
     }
   }
 }
