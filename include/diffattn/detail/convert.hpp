@@ -48,6 +48,45 @@ inline void convert_row(const S* src, index_t n, D* dst) {
   }
 }
 
+/// The packet of compute type at p (unaligned) from P values stored as S:
+/// a plain load for S = C, Eigen's packet conversion from bfloat16 / half
+/// where the target has one (AVX-512: 16 at a time, AVX: 8), element by
+/// element otherwise.
+template <class Packet, class S>
+inline Packet pload_widened(const S* p) {
+  using C = typename Eigen::internal::unpacket_traits<Packet>::type;
+  using Eigen::internal::pcast;
+  using Eigen::internal::ploadu;
+  if constexpr (std::is_same<S, C>::value) {
+    return ploadu<Packet>(p);
+#if defined(EIGEN_VECTORIZE_AVX512)
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
+                       std::is_same<S, bfloat16>::value) {
+    return pcast<Eigen::internal::Packet16bf, Packet>(ploadu<Eigen::internal::Packet16bf>(p));
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
+                       std::is_same<S, half>::value) {
+    return pcast<Eigen::internal::Packet16h, Packet>(ploadu<Eigen::internal::Packet16h>(p));
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
+                       std::is_same<S, bfloat16>::value) {
+    return pcast<Eigen::internal::Packet8bf, Packet>(ploadu<Eigen::internal::Packet8bf>(p));
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
+                       std::is_same<S, half>::value) {
+    return pcast<Eigen::internal::Packet8h, Packet>(ploadu<Eigen::internal::Packet8h>(p));
+#endif
+  } else {
+    constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+    alignas(64) C tmp[P];
+    for (int i = 0; i < P; ++i) tmp[i] = static_cast<C>(p[i]);
+    return Eigen::internal::pload<Packet>(tmp);
+  }
+}
+
 /// A row of n values of S as compute type C: the row itself when S is C,
 /// otherwise its conversion written to buf (n elements).
 template <class C, class S>

@@ -79,14 +79,104 @@ DecodeChunks decode_chunks(const AttentionProblem<T, KV>& p, const SeqSpan& sq) 
   return {kb, ke, p.split_keys, (keys + p.split_keys - 1) / p.split_keys};
 }
 
+/// Dot products of one key row k (stored as S, widened once per packet)
+/// with R query rows q + i qstep: out[i ostep] = q_i . k for i < R. R is a
+/// constant so that the accumulators stay in registers.
+template <int R, class C, class S>
+EIGEN_ALWAYS_INLINE void dot_rows_n(const S* k, index_t d, const C* q, index_t qstep, C* out,
+                                    index_t ostep) {
+  using Packet = typename TileConfig<C>::Packet;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::predux;
+  using Eigen::internal::pset1;
+  constexpr index_t P = TileConfig<C>::kPacket;
+  Packet acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
+  index_t t = 0;
+  for (; t + P <= d; t += P) {
+    const Packet kp = pload_widened<Packet>(k + t);
+    for (int i = 0; i < R; ++i) acc[i] = pmadd(ploadu<Packet>(q + i * qstep + t), kp, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    C sum = predux(acc[i]);
+    for (index_t u = t; u < d; ++u) sum += q[i * qstep + u] * static_cast<C>(k[u]);
+    out[i * ostep] = sum;
+  }
+}
+
+/// dot_rows_n over `rows` query rows, four at a time. The narrow-cache path
+/// of decode_states.
+template <class C, class S>
+EIGEN_ALWAYS_INLINE void dot_rows(const S* k, index_t d, const C* q, index_t qstep, C* out,
+                                  index_t ostep, index_t rows) {
+  index_t i = 0;
+  for (; i + 4 <= rows; i += 4) dot_rows_n<4>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+  switch (rows - i) {
+    case 1:
+      return dot_rows_n<1>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+    case 2:
+      return dot_rows_n<2>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+    case 3:
+      return dot_rows_n<3>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+    default:
+      return;
+  }
+}
+
+/// o + i ostep += w[i wstep] v for i < R, v (stored as S) loaded and widened
+/// once per packet for every row.
+template <int R, class C, class S>
+EIGEN_ALWAYS_INLINE void axpy_rows_n(const S* v, index_t dv, C* o, index_t ostep, const C* w,
+                                     index_t wstep) {
+  using Packet = typename TileConfig<C>::Packet;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr index_t P = TileConfig<C>::kPacket;
+  Packet wp[R];
+  for (int i = 0; i < R; ++i) wp[i] = pset1<Packet>(w[i * wstep]);
+  index_t t = 0;
+  for (; t + P <= dv; t += P) {
+    const Packet vp = pload_widened<Packet>(v + t);
+    for (int i = 0; i < R; ++i) {
+      C* oi = o + i * ostep + t;
+      pstoreu(oi, pmadd(wp[i], vp, ploadu<Packet>(oi)));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (index_t u = t; u < dv; ++u) o[i * ostep + u] += w[i * wstep] * static_cast<C>(v[u]);
+}
+
+/// axpy_rows_n over `rows` rows, four at a time.
+template <class C, class S>
+EIGEN_ALWAYS_INLINE void axpy_rows(const S* v, index_t dv, C* o, index_t ostep, const C* w,
+                                   index_t wstep, index_t rows) {
+  index_t i = 0;
+  for (; i + 4 <= rows; i += 4) axpy_rows_n<4>(v, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+  switch (rows - i) {
+    case 1:
+      return axpy_rows_n<1>(v, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    case 2:
+      return axpy_rows_n<2>(v, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    case 3:
+      return axpy_rows_n<3>(v, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    default:
+      return;
+  }
+}
+
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them. Key by key, every kv group's heads
 /// of that key: a cache laid out (.., M, H, D) is read front to back.
 ///
 /// Storage: q holds T, the cache KV; the work is in C = compute_t<T>. A row
-/// stored narrower than C (a 16-bit cache) is widened once as it is read,
-/// into a row buffer, and then used by every query row of its group.
+/// stored narrower than C (a 16-bit cache) is widened packet by packet as it
+/// is read, for up to four query rows of its group at once (dot_rows,
+/// axpy_rows): with half the bytes to read, the step would otherwise be
+/// bound by the per-row work rather than by memory.
 template <class T, class KV, class C>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
@@ -108,7 +198,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
 
   // Scaled queries (R, d).
   C* qs = ws.q[0].get(R * d);
-  C* rowbuf = ws.row.get(std::max(d, dv));  // one K or V row widened to C
+  C* rowbuf = ws.row.get(std::max(d, dv));  // row_as: unused when KV is C
   for (index_t l = 0; l < dl.lanes; ++l) {
     const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
     for (index_t ii = 0; ii < n; ++ii) {
@@ -121,7 +211,25 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
 
   // Scores (R, lds): each key row once, against every query row that reads it.
   C* s = ws.s[0].get(R * lds);
-  for (index_t j = jlo; j < jhi; ++j) {
+  constexpr bool narrow = !std::is_same<KV, C>::value;
+  // Narrow caches: the query rows of (group g, slot) that see key j as query
+  // ii are r = (g per_group + slot + m kh) n + ii, m < per_group / kh: evenly
+  // spaced, so they go to dot_rows as a base and a step.
+  const index_t lanes_per_slot = dl.per_group / kh;
+  for (index_t j = jlo; j < jhi && narrow; ++j) {
+    const KV* k0 = p.key_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g)
+      for (int slot = 0; slot < kh; ++slot) {
+        const KV* krow = k0 + (g * kh + slot) * ksh;
+        for (index_t ii = 0; ii < n; ++ii) {
+          if (j < rb[ii] || j >= re[ii]) continue;
+          const index_t r0 = (g * dl.per_group + slot) * n + ii, rstep = kh * n;
+          dot_rows(krow, d, qs + r0 * d, rstep * d, s + r0 * lds + (j - jlo), rstep * lds,
+                   lanes_per_slot);
+        }
+      }
+  }
+  for (index_t j = jlo; j < jhi && !narrow; ++j) {
     const KV* k0 = p.key_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
@@ -147,7 +255,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
 
   // o = W V, each value row once.
   std::fill(o, o + R * dv, C(0));
-  for (index_t j = jlo; j < jhi; ++j) {
+  for (index_t j = jlo; j < jhi && narrow; ++j) {
+    const KV* v0 = p.value_row(sq, j, 0);
+    for (index_t g = 0; g < dl.groups; ++g) {
+      const KV* vrow = v0 + g * vsh;
+      for (index_t ii = 0; ii < n; ++ii) {
+        if (j < rb[ii] || j >= re[ii]) continue;
+        const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
+        axpy_rows(vrow, dv, o + r0 * dv, n * dv, s + r0 * lds + (j - jlo), n * lds, dl.per_group);
+      }
+    }
+  }
+  for (index_t j = jlo; j < jhi && !narrow; ++j) {
     const KV* v0 = p.value_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g) {
       const ConstArrayMap vrow(row_as<C>(v0 + g * vsh, dv, rowbuf), dv);

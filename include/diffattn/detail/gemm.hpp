@@ -165,7 +165,7 @@ inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* d
           convert_row(row, nr, out);
         }
       } else {
-        convert_row(row, n, out);
+        for (index_t cc = 0; cc < n; ++cc) out[cc] = static_cast<T>(row[cc]);
         for (index_t cc = n; cc < nr; ++cc) out[cc] = T(0);
       }
     }
