@@ -124,6 +124,89 @@ EIGEN_ALWAYS_INLINE void dot_rows(const S* k, index_t d, const C* q, index_t qst
   }
 }
 
+/// Scores of one query row q against P consecutive keys (P the packet
+/// size), key jj at krows[jj] (stored as S, widened once per packet):
+/// out[jj] = q . k_jj. One accumulator per key, reduced by one transpose
+/// (ptranspose) instead of P horizontal sums.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // PacketBlock of a vector type
+#endif
+template <class C, class S>
+EIGEN_ALWAYS_INLINE void dot_keys(const C* q, const S* const* krows, index_t d, C* out) {
+  using Packet = typename TileConfig<C>::Packet;
+  using Eigen::internal::padd;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr int P = TileConfig<C>::kPacket;
+  Eigen::internal::PacketBlock<Packet, P> acc;
+  for (int jj = 0; jj < P; ++jj) acc.packet[jj] = pset1<Packet>(C(0));
+  index_t t = 0;
+  for (; t + P <= d; t += P) {
+    const Packet qp = ploadu<Packet>(q + t);
+    for (int jj = 0; jj < P; ++jj)
+      acc.packet[jj] = pmadd(pload_widened<Packet>(krows[jj] + t), qp, acc.packet[jj]);
+  }
+  Eigen::internal::ptranspose(acc);
+  Packet sum = acc.packet[0];
+  for (int jj = 1; jj < P; ++jj) sum = padd(sum, acc.packet[jj]);
+  pstoreu(out, sum);
+  for (; t < d; ++t)
+    for (int jj = 0; jj < P; ++jj) out[jj] += q[t] * static_cast<C>(krows[jj][t]);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+/// o + i ostep += sum_jj w[i wstep + jj] v_jj over P consecutive keys (P the
+/// packet size) for i < R, value jj at vrows[jj] (stored as S): the output
+/// rows are loaded and stored once per block of keys, not once per key.
+template <int R, class C, class S>
+EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t dv, C* o, index_t ostep,
+                                     const C* w, index_t wstep) {
+  using Packet = typename TileConfig<C>::Packet;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr int P = TileConfig<C>::kPacket;
+  index_t t = 0;
+  for (; t + P <= dv; t += P) {
+    Packet acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = ploadu<Packet>(o + i * ostep + t);
+    for (int jj = 0; jj < P; ++jj) {
+      const Packet vp = pload_widened<Packet>(vrows[jj] + t);
+      for (int i = 0; i < R; ++i) acc[i] = pmadd(pset1<Packet>(w[i * wstep + jj]), vp, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) pstoreu(o + i * ostep + t, acc[i]);
+  }
+  for (; t < dv; ++t)
+    for (int i = 0; i < R; ++i)
+      for (int jj = 0; jj < P; ++jj)
+        o[i * ostep + t] += w[i * wstep + jj] * static_cast<C>(vrows[jj][t]);
+}
+
+/// axpy_keys_n over `rows` rows, four at a time.
+template <class C, class S>
+EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t dv, C* o, index_t ostep,
+                                   const C* w, index_t wstep, index_t rows) {
+  index_t i = 0;
+  for (; i + 4 <= rows; i += 4)
+    axpy_keys_n<4>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+  switch (rows - i) {
+    case 1:
+      return axpy_keys_n<1>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    case 2:
+      return axpy_keys_n<2>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    case 3:
+      return axpy_keys_n<3>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+    default:
+      return;
+  }
+}
+
 /// o + i ostep += w[i wstep] v for i < R, v (stored as S) loaded and widened
 /// once per packet for every row.
 template <int R, class C, class S>
@@ -216,7 +299,34 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   // ii are r = (g per_group + slot + m kh) n + ii, m < per_group / kh: evenly
   // spaced, so they go to dot_rows as a base and a step.
   const index_t lanes_per_slot = dl.per_group / kh;
+  // Blocks of P keys that every query row sees go through dot_keys (float
+  // compute only); the rest key by key through dot_rows.
+  constexpr index_t P = TileConfig<C>::kPacket;
+  constexpr bool by_block = narrow && std::is_same<C, float>::value && P > 1;
+  const index_t blo = by_block ? std::min(rb[n - 1], re[0]) : jlo;
+  const index_t bhi = by_block ? std::max(blo, re[0]) : jlo;  // [blo, bhi): seen by all rows
+  const index_t bend = blo + (bhi - blo) / P * P;
+  const KV* kblock[TileConfig<C>::kPacket];  // rows of a block of keys (later values)
+  for (index_t j0 = blo; j0 < bend && by_block; j0 += P) {
+    for (index_t jj = 0; jj < P; ++jj) kblock[jj] = p.key_row(sq, j0 + jj, 0);
+    // The next block's rows: a block reads P rows head by head, a pattern the
+    // hardware prefetcher follows less well than one row after another.
+    for (index_t jj = 0; jj < P && j0 + P + jj < bend; ++jj)
+      prefetch_row(p.key_row(sq, j0 + P + jj, 0), dl.groups * kh * ksh);
+    for (index_t g = 0; g < dl.groups; ++g)
+      for (int slot = 0; slot < kh; ++slot) {
+        const KV* kg[TileConfig<C>::kPacket];
+        for (index_t jj = 0; jj < P; ++jj) kg[jj] = kblock[jj] + (g * kh + slot) * ksh;
+        for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
+          for (index_t ii = 0; ii < n; ++ii) {
+            const index_t r = l * n + ii;
+            dot_keys(qs + r * d, kg, d, s + r * lds + (j0 - jlo));
+          }
+      }
+  }
   for (index_t j = jlo; j < jhi && narrow; ++j) {
+    if (j == blo && bend > blo) j = bend;  // done by blocks
+    if (j >= jhi) break;
     const KV* k0 = p.key_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
@@ -255,7 +365,22 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
 
   // o = W V, each value row once.
   std::fill(o, o + R * dv, C(0));
+  for (index_t j0 = blo; j0 < bend && by_block; j0 += P) {  // the blocks of the scores
+    for (index_t jj = 0; jj < P; ++jj) kblock[jj] = p.value_row(sq, j0 + jj, 0);
+    for (index_t jj = 0; jj < P && j0 + P + jj < bend; ++jj)
+      prefetch_row(p.value_row(sq, j0 + P + jj, 0), dl.groups * vsh);
+    for (index_t g = 0; g < dl.groups; ++g) {
+      const KV* vg[TileConfig<C>::kPacket];
+      for (index_t jj = 0; jj < P; ++jj) vg[jj] = kblock[jj] + g * vsh;
+      for (index_t ii = 0; ii < n; ++ii) {
+        const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
+        axpy_keys(vg, dv, o + r0 * dv, n * dv, s + r0 * lds + (j0 - jlo), n * lds, dl.per_group);
+      }
+    }
+  }
   for (index_t j = jlo; j < jhi && narrow; ++j) {
+    if (j == blo && bend > blo) j = bend;  // done by blocks
+    if (j >= jhi) break;
     const KV* v0 = p.value_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g) {
       const KV* vrow = v0 + g * vsh;

@@ -9,12 +9,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include <Eigen/Core>
 
 #include "../config.hpp"
-#include "convert.hpp"
 #include "tile.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -144,7 +142,7 @@ inline void pack_rows_transposed(const S* src, index_t ld, index_t rows, index_t
 /// columns: panel c holds dst[c * rows * kNR + r * kNR + cc] =
 /// row(r)[c * kNR + cc], zero beyond `width`. Used for V: one panel is the B
 /// operand of O = W V for kNR output features. As for the keys, a narrower
-/// source is converted here (vectorised, see convert.hpp).
+/// source is converted here, element by element in a fixed-size loop.
 template <class T, class Rows>
 inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
@@ -158,12 +156,7 @@ inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* d
       T* out = panel + r * nr;
       if (r + kPrefetchRows < rows) prefetch_row(row_of(r + kPrefetchRows) + c0, n);
       if (n == nr) {  // a whole panel row: a fixed-size copy the compiler inlines
-        if constexpr (std::is_same<std::remove_cv_t<std::remove_pointer_t<decltype(row)>>,
-                                   T>::value) {
-          for (index_t cc = 0; cc < nr; ++cc) out[cc] = row[cc];
-        } else {
-          convert_row(row, nr, out);
-        }
+        for (index_t cc = 0; cc < nr; ++cc) out[cc] = static_cast<T>(row[cc]);
       } else {
         for (index_t cc = 0; cc < n; ++cc) out[cc] = static_cast<T>(row[cc]);
         for (index_t cc = n; cc < nr; ++cc) out[cc] = T(0);
