@@ -1,6 +1,9 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <map>
 #include <diffattn/io/safetensors.hpp>
 #include <fstream>
 #include <string>
@@ -274,4 +277,61 @@ TEST_CASE("the writer refuses inconsistent tensors", "[safetensors]") {
       },
       {"cannot open", "/nonexistent/dir/y.safetensors"});
   std::remove(path.c_str());
+}
+
+TEST_CASE("BF16 and F16 tensors round-trip bit for bit through bfloat16 and half",
+          "[safetensors][half]") {
+  using diffattn::bfloat16;
+  using diffattn::half;
+  using diffattn::Tensor;
+  // Every 16-bit pattern, NaN payloads and signed zeros included.
+  Tensor<bfloat16, 2> b({256, 256});
+  Tensor<half, 2> h({256, 256});
+  for (index_t i = 0; i < b.size(); ++i) {
+    const auto bits = static_cast<std::uint16_t>(i);
+    std::memcpy(static_cast<void*>(b.data() + i), &bits, 2);
+    std::memcpy(static_cast<void*>(h.data() + i), &bits, 2);
+  }
+  const std::string path = temp_path("half_round_trip");
+  std::map<std::string, st::TensorData> tensors;
+  tensors["b"] = st::make_tensor(b);
+  tensors["h"] = st::make_tensor(h);
+  CHECK(tensors["b"].dtype == "BF16");
+  CHECK(tensors["h"].dtype == "F16");
+  diffattn::write_safetensors(path, tensors);
+  // The bytes on disk are the little-endian bit patterns.
+  const st::Reader r(path);
+  const st::TensorData raw = r.read("b");
+  for (index_t i = 0; i < b.size(); i += 257) {
+    const auto u = static_cast<std::uint16_t>(i);
+    CHECK(raw.bytes[2 * static_cast<std::size_t>(i)] == (u & 0xFF));
+    CHECK(raw.bytes[2 * static_cast<std::size_t>(i) + 1] == (u >> 8));
+  }
+  const Tensor<bfloat16, 2> b2 = r.read_tensor<bfloat16, 2>("b");
+  const Tensor<half, 2> h2 = r.read_tensor<half, 2>("h");
+  REQUIRE(b2.shape() == b.shape());
+  REQUIRE(h2.shape() == h.shape());
+  CHECK(std::memcmp(b2.data(), b.data(), 2 * static_cast<std::size_t>(b.size())) == 0);
+  CHECK(std::memcmp(h2.data(), h.data(), 2 * static_cast<std::size_t>(h.size())) == 0);
+  // Written again, the file is the same bytes.
+  const std::string path2 = temp_path("half_round_trip2");
+  std::map<std::string, st::TensorData> again;
+  again["b"] = st::make_tensor(b2);
+  again["h"] = st::make_tensor(h2);
+  diffattn::write_safetensors(path2, again);
+  CHECK(read_file(path) == read_file(path2));
+  // Across types the value converts: F16 read as bfloat16 rounds the float value.
+  const Tensor<bfloat16, 2> hb = r.read_tensor<bfloat16, 2>("h");
+  const std::vector<float> hf = r.read_as<float>("h");
+  for (index_t i = 0; i < hb.size(); ++i) {
+    const float want = hf[static_cast<std::size_t>(i)];
+    const float got = static_cast<float>(hb.data()[i]);
+    if (std::isnan(want))
+      CHECK(std::isnan(got));
+    else
+      CHECK(got == static_cast<float>(static_cast<bfloat16>(want)));
+  }
+  test::require_error([&] { r.read_tensor<bfloat16, 3>("b"); }, {"'b'", "rank 3"});
+  std::remove(path.c_str());
+  std::remove(path2.c_str());
 }

@@ -7,6 +7,7 @@
 #include "detail/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -40,6 +41,10 @@ DIFFATTN_BEGIN_NAMESPACE
 /// - Every argument is checked once, here; bad input throws diffattn::error
 ///   naming the function, the argument and the shapes. out and lse must not
 ///   overlap any input (their address ranges must be disjoint).
+/// - Storage T: float, double, bfloat16 or half. 16-bit storage computes and
+///   accumulates in float (compute_t<T>): lambda, the scale and lse are float
+///   then, inputs are widened once where they are packed and the output is
+///   rounded once to T.
 /// @{
 
 /// Differential attention, V1 split-head layout (Ye et al., ICLR 2025).
@@ -55,41 +60,44 @@ DIFFATTN_BEGIN_NAMESPACE
 /// Each V tile is read once for both maps.
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
-                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_t<compute_t<T>> lambda, detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
                        const AttentionOptions& options = {}) {
   const detail::AttentionProblem<T> p =
       detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// V1 with one lambda for the layer, without the lse output.
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-                       detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
-                       detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
-  diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_t<compute_t<T>> lambda, detail::nondeduced_view<T, 4> out,
+                       const AttentionOptions& options = {}) {
+  diff_attention_v1<T>(q, k, v, lambda, out, TensorView<compute_t<T>, 3>(), options);
 }
 
 /// V1 with one lambda per DIFF head: lambda (H).
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
-                       detail::nondeduced_view<const T, 1> lambda,
-                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
                        const AttentionOptions& options = {}) {
   const detail::AttentionProblem<T> p =
       detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// V1 with one lambda per DIFF head, without the lse output.
 template <class T>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
-                       detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<const compute_t<T>, 1> lambda,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
-  diff_attention_v1<T>(q, k, v, lambda, out, TensorView<T, 3>(), options);
+  diff_attention_v1<T>(q, k, v, lambda, out, TensorView<compute_t<T>, 3>(), options);
 }
 
 /// Differential attention, V2 layout (doubled query heads).
@@ -107,11 +115,12 @@ template <class T>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
                        detail::nondeduced_view<const T, 3> lambda_logit,
-                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
                        const AttentionOptions& options = {}) {
   const detail::AttentionProblem<T> p =
       detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// V2 without the lse output.
@@ -120,7 +129,7 @@ void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced
                        detail::nondeduced_view<const T, 4> v,
                        detail::nondeduced_view<const T, 3> lambda_logit,
                        detail::nondeduced_view<T, 4> out, const AttentionOptions& options = {}) {
-  diff_attention_v2<T>(q, k, v, lambda_logit, out, TensorView<T, 3>(), options);
+  diff_attention_v2<T>(q, k, v, lambda_logit, out, TensorView<compute_t<T>, 3>(), options);
 }
 
 /// Plain softmax attention with GQA, the baseline:
@@ -131,9 +140,9 @@ void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced
 template <class T>
 void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
-               detail::nondeduced_view<T, 3> lse, const AttentionOptions& options = {}) {
+               detail::nondeduced_view<compute_t<T>, 3> lse, const AttentionOptions& options = {}) {
   const detail::AttentionProblem<T> p = detail::validate_plain<T>(q, k, v, out, lse, options);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// Plain attention without the lse output.
@@ -141,7 +150,7 @@ template <class T>
 void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
                const AttentionOptions& options = {}) {
-  attention<T>(q, k, v, out, TensorView<T, 3>(), options);
+  attention<T>(q, k, v, out, TensorView<compute_t<T>, 3>(), options);
 }
 
 /// @}

@@ -8,6 +8,7 @@
 #include "detail/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -29,11 +30,14 @@ DIFFATTN_BEGIN_NAMESPACE
 template <class T>
 void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
-    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
     const AttentionOptions& options = {}) {
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v1_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::run_attention_backward(
       detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
                              TensorView<T, 1>(&dlambda, {1}), options),
@@ -44,11 +48,14 @@ void diff_attention_v1_backward(
 template <class T>
 void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
-    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
-    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {}) {
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v1_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::run_attention_backward(detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
                                                         dq, dk, dv, dlambda, options),
                                  options);
@@ -60,10 +67,13 @@ template <class T>
 void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
     detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
-    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {}) {
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v2_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::run_attention_backward(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
                                                         dk, dv, dlambda_logit, options),
                                  options);
@@ -75,10 +85,13 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const T, 4> k,
                         detail::nondeduced_view<const T, 4> v,
                         detail::nondeduced_view<const T, 4> out,
-                        detail::nondeduced_view<const T, 3> lse,
+                        detail::nondeduced_view<const compute_t<T>, 3> lse,
                         detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
                         const AttentionOptions& options = {}) {
+  static_assert(!is_half_storage_v<T>,
+                "attention_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::run_attention_backward(
       detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options), options);
 }

@@ -23,3 +23,4 @@
 #include "softmax.hpp"
 #include "states.hpp"
 #include "tensor.hpp"
+#include "types.hpp"

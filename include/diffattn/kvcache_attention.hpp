@@ -12,6 +12,7 @@
 #include "detail/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -47,12 +48,12 @@ namespace detail {
 /// The views the contiguous kernels' checks see: the caches themselves, or
 /// (paged) each pool seen as a (B, block_size, H, D) cache whose every batch
 /// entry is block 0, so that head counts and widths are checked as there.
-template <class T>
-std::array<TensorView<const T, 4>, 2> kvcache_check_views(const char* fn,
-                                                          const TensorView<const T, 4>& q,
-                                                          const TensorView<const T, 4>& k,
-                                                          const TensorView<const T, 4>& v,
-                                                          const KVCacheBatch& c) {
+template <class T, class KV>
+std::array<TensorView<const KV, 4>, 2> kvcache_check_views(const char* fn,
+                                                           const TensorView<const T, 4>& q,
+                                                           const TensorView<const KV, 4>& k,
+                                                           const TensorView<const KV, 4>& v,
+                                                           const KVCacheBatch& c) {
   if (c.block_table.empty() && c.block_table.data() == nullptr) return {k, v};
   check_head_contiguous(fn, "k_cache", k);
   check_head_contiguous(fn, "v_cache", v);
@@ -63,18 +64,18 @@ std::array<TensorView<const T, 4>, 2> kvcache_check_views(const char* fn,
     fail(fn, "v_cache pool has shape ", shape_str(v.shape()), ", expected the (num_blocks, ",
          "block_size) = (", k.shape(0), ", ", k.shape(1), ") of k_cache ", shape_str(k.shape()));
   const index_t B = q.shape(0);
-  auto proxy = [&](const TensorView<const T, 4>& t) {
-    return TensorView<const T, 4>(t.data(), {B, t.shape(1), t.shape(2), t.shape(3)},
-                                  {0, t.stride(1), t.stride(2), t.stride(3)});
+  auto proxy = [&](const TensorView<const KV, 4>& t) {
+    return TensorView<const KV, 4>(t.data(), {B, t.shape(1), t.shape(2), t.shape(3)},
+                                   {0, t.stride(1), t.stride(2), t.stride(3)});
   };
   return {proxy(k), proxy(v)};
 }
 
 /// Attaches the caches to a problem checked on kvcache_check_views: lengths,
 /// block table, and (paged) the pools themselves.
-template <class T>
-void attach_kvcache(const char* fn, AttentionProblem<T>& p, const TensorView<const T, 4>& k,
-                    const TensorView<const T, 4>& v, const KVCacheBatch& c,
+template <class T, class KV>
+void attach_kvcache(const char* fn, AttentionProblem<T, KV>& p, const TensorView<const KV, 4>& k,
+                    const TensorView<const KV, 4>& v, const KVCacheBatch& c,
                     const AttentionOptions& options) {
   const index_t B = p.batch;
   const bool paged = !(c.block_table.empty() && c.block_table.data() == nullptr);
@@ -149,76 +150,88 @@ void attach_kvcache(const char* fn, AttentionProblem<T>& p, const TensorView<con
 /// bitwise identical for any thread count. Bad input (shapes, lengths outside
 /// [0, capacity], block indices outside the pool, split_keys < 0) throws
 /// diffattn::error naming the function, the argument and the shapes.
+///
+/// Storage: q, out (and V2's lambda_logit) hold T; the caches hold KV, T by
+/// default, or a 16-bit type under float or double queries
+/// (`attention_kvcache<float, bfloat16>(...)`): a float layer keeps a bfloat16
+/// or half cache without rounding its queries. The work is in compute_t<T>
+/// (float for 16-bit T), which lse and lambda use too; cache rows are widened
+/// as they are read.
 /// @{
 
 /// diff_attention_v1 over KV caches; one lambda for every head.
 ///   q (B, n, 2H, d), k_cache (B, capacity, 2Hkv, d) or (num_blocks, block_size, 2Hkv, d),
 ///   v_cache (B, capacity, Hkv, 2d) or (num_blocks, block_size, Hkv, 2d),
 ///   out (B, n, H, 2d), lse (B, 2H, n) or empty.
-template <class T>
+template <class T, class KV = T>
 void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
-                               detail::nondeduced_view<const T, 4> k_cache,
-                               detail::nondeduced_view<const T, 4> v_cache,
-                               detail::nondeduced_t<T> lambda, detail::nondeduced_view<T, 4> out,
-                               detail::nondeduced_view<T, 3> lse, const KVCacheBatch& cache,
-                               const AttentionOptions& options = {}) {
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_t<compute_t<T>> lambda,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
+                               const KVCacheBatch& cache, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T> p =
-      detail::validate_v1<T>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
-  detail::attach_kvcache<T>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_attention<T>(p, options);
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v1<T, KV>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_attention(p, options);
 }
 
 /// diff_attention_v1 over KV caches; one lambda per DIFF head, lambda (H).
-template <class T>
+template <class T, class KV = T>
 void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
-                               detail::nondeduced_view<const T, 4> k_cache,
-                               detail::nondeduced_view<const T, 4> v_cache,
-                               detail::nondeduced_view<const T, 1> lambda,
-                               detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
                                const KVCacheBatch& cache, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T> p =
-      detail::validate_v1<T>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
-  detail::attach_kvcache<T>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_attention<T>(p, options);
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v1<T, KV>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_attention(p, options);
 }
 
 /// diff_attention_v2 over KV caches.
 ///   q (B, n, 2H, d), k_cache (B, capacity, Hkv, d) or (num_blocks, block_size, Hkv, d),
 ///   v_cache likewise with width dv, lambda_logit (B, n, H), out (B, n, H, dv),
 ///   lse (B, 2H, n) or empty.
-template <class T>
+template <class T, class KV = T>
 void diff_attention_v2_kvcache(detail::nondeduced_view<const T, 4> q,
-                               detail::nondeduced_view<const T, 4> k_cache,
-                               detail::nondeduced_view<const T, 4> v_cache,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
                                detail::nondeduced_view<const T, 3> lambda_logit,
-                               detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
                                const KVCacheBatch& cache, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v2_kvcache";
-  const auto kv = detail::kvcache_check_views<T>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T> p =
-      detail::validate_v2<T>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
-  detail::attach_kvcache<T>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_attention<T>(p, options);
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v2<T, KV>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_attention(p, options);
 }
 
 /// Plain attention over KV caches.
 ///   q (B, n, Hq, d), k_cache (B, capacity, Hkv, d) or (num_blocks, block_size, Hkv, d),
 ///   v_cache likewise with width dv, out (B, n, Hq, dv), lse (B, Hq, n) or empty.
-template <class T>
+template <class T, class KV = T>
 void attention_kvcache(detail::nondeduced_view<const T, 4> q,
-                       detail::nondeduced_view<const T, 4> k_cache,
-                       detail::nondeduced_view<const T, 4> v_cache,
-                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
-                       const KVCacheBatch& cache, const AttentionOptions& options = {}) {
+                       detail::nondeduced_view<const KV, 4> k_cache,
+                       detail::nondeduced_view<const KV, 4> v_cache,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse, const KVCacheBatch& cache,
+                       const AttentionOptions& options = {}) {
   constexpr const char* fn = "attention_kvcache";
-  const auto kv = detail::kvcache_check_views<T>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T> p = detail::validate_plain<T>(q, kv[0], kv[1], out, lse, options, fn);
-  detail::attach_kvcache<T>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_attention<T>(p, options);
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_plain<T, KV>(q, kv[0], kv[1], out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_attention(p, options);
 }
 
 /// @}

@@ -16,6 +16,7 @@
 #include "detail/module_common.hpp"
 #include "detail/random.hpp"
 #include "diff_weights.hpp"
+#include "kvcache_attention.hpp"
 #include "lambda.hpp"
 #include "norm.hpp"
 #include "options.hpp"
@@ -23,6 +24,7 @@
 #include "rope.hpp"
 #include "softmax.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -173,12 +175,17 @@ class MultiheadDiffAttnV1 {
   /// keys (2Hkv heads of d) after rotary and values (Hkv heads of 2d). With a
   /// sliding window it keeps at most 2W rows (see KVCache). Throws for a
   /// non-causal layer: token-by-token decoding equals the whole sequence only
-  /// under the causal mask.
-  KVCache<T> make_cache(index_t batch, index_t capacity) const {
+  /// under the causal mask. S is the cache's storage: T, or bfloat16 / half
+  /// (make_cache<bfloat16>(...)) for a cache of half the bytes, the keys and
+  /// values rounded to S as they are appended (the queries are not).
+  template <class S = T>
+  KVCache<S> make_cache(index_t batch, index_t capacity) const {
+    static_assert(std::is_same<S, T>::value || is_half_storage_v<S>,
+                  "MultiheadDiffAttnV1::make_cache: the cache holds T, bfloat16 or half");
     if (!cfg_.causal)
       detail::fail("MultiheadDiffAttnV1::make_cache",
                    "a KV cache needs a causal layer (config.causal = true)");
-    return KVCache<T>(batch, capacity, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
+    return KVCache<S>(batch, capacity, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
                       cfg_.window_left);
   }
 
@@ -189,8 +196,11 @@ class MultiheadDiffAttnV1 {
   /// and returns y (B, n, E). Prefill then token-by-token decoding gives what
   /// forward gives on the whole sequence. Keeps nothing for backward (a later
   /// backward throws until the next forward). Throws, changing nothing, when
-  /// the cache is full, was made for another layer or another batch size.
-  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<T>& cache) {
+  /// the cache is full, was made for another layer or another batch size. A
+  /// 16-bit cache (make_cache<bfloat16>) is read by the kernel in float (or
+  /// T), the new keys and values rounded to S when appended.
+  template <class S>
+  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
     constexpr const char* fn = "MultiheadDiffAttnV1::forward";
     check_input(fn, x);
     if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
@@ -205,8 +215,14 @@ class MultiheadDiffAttnV1 {
     const T lambda = lambda_full();
     const AttentionOptions o = options();
     detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
-      diff_attention_v1<T>(detail::module_rows(q, a, np), keys, values, lambda,
-                           detail::module_rows(attn, a, np), o);
+      if constexpr (std::is_same<S, T>::value) {
+        diff_attention_v1<T>(detail::module_rows(q, a, np), keys, values, lambda,
+                             detail::module_rows(attn, a, np), o);
+      } else {  // every sequence holds all of keys: the cache kernel reads S rows
+        const detail::FullCache full(b, keys.shape(1));
+        diff_attention_v1_kvcache<T, S>(detail::module_rows(q, a, np), keys, values, lambda,
+                                        detail::module_rows(attn, a, np), {}, full.batch, o);
+      }
     });
     Tensor<T, 4> normed({b, n, h, 2 * d_});  // (B, n, H, 2d)
     rms_norm<T>(attn, subln_weight_, normed.view(), cfg_.norm_eps, 1.0 - lambda_init_);

@@ -16,6 +16,7 @@
 #include "detail/module_common.hpp"
 #include "detail/random.hpp"
 #include "diff_weights.hpp"
+#include "kvcache_attention.hpp"
 #include "lambda.hpp"
 #include "norm.hpp"
 #include "options.hpp"
@@ -23,6 +24,7 @@
 #include "rope.hpp"
 #include "softmax.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -109,19 +111,24 @@ class MultiheadDiffAttnV2 {
 
   /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
   /// Hkv key heads (after rotary) and Hkv value heads of head_dim, the
-  /// baseline's cache. As MultiheadDiffAttnV1::make_cache.
-  KVCache<T> make_cache(index_t batch, index_t capacity) const {
+  /// baseline's cache. As MultiheadDiffAttnV1::make_cache (S: T, bfloat16 or
+  /// half).
+  template <class S = T>
+  KVCache<S> make_cache(index_t batch, index_t capacity) const {
+    static_assert(std::is_same<S, T>::value || is_half_storage_v<S>,
+                  "MultiheadDiffAttnV2::make_cache: the cache holds T, bfloat16 or half");
     if (!cfg_.causal)
       detail::fail("MultiheadDiffAttnV2::make_cache",
                    "a KV cache needs a causal layer (config.causal = true)");
-    return KVCache<T>(batch, capacity, cfg_.num_kv_heads, cfg_.head_dim, cfg_.num_kv_heads,
+    return KVCache<S>(batch, capacity, cfg_.num_kv_heads, cfg_.head_dim, cfg_.num_kv_heads,
                       cfg_.head_dim, cfg_.window_left);
   }
 
   /// Runs the layer on n >= 1 new tokens per sequence after those the cache
   /// holds; lambda is computed per new token. As MultiheadDiffAttnV1's
-  /// forward(x, cache).
-  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<T>& cache) {
+  /// forward(x, cache), for a cache of T or of a 16-bit S.
+  template <class S>
+  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
     constexpr const char* fn = "MultiheadDiffAttnV2::forward";
     check_input(fn, x);
     if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
@@ -136,9 +143,16 @@ class MultiheadDiffAttnV2 {
     Tensor<T, 4> attn({b, n, h, hd});  // (B, n, H, hd)
     const AttentionOptions o = options();
     detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
-      diff_attention_v2<T>(detail::module_rows(q, a, np), keys, values,
-                           detail::module_rows(logit, a, np), detail::module_rows(attn, a, np),
-                           o);
+      if constexpr (std::is_same<S, T>::value) {
+        diff_attention_v2<T>(detail::module_rows(q, a, np), keys, values,
+                             detail::module_rows(logit, a, np), detail::module_rows(attn, a, np),
+                             o);
+      } else {  // every sequence holds all of keys: the cache kernel reads S rows
+        const detail::FullCache full(b, keys.shape(1));
+        diff_attention_v2_kvcache<T, S>(detail::module_rows(q, a, np), keys, values,
+                                        detail::module_rows(logit, a, np),
+                                        detail::module_rows(attn, a, np), {}, full.batch, o);
+      }
     });
     Tensor<T, 3> y({b, n, e});  // (B, n, E)
     detail::module_linear(attn.data(), rows, h * hd, o_proj_.data(), e, y.data(), num_threads_);

@@ -12,6 +12,7 @@
 #include "detail/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
+#include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -74,8 +75,10 @@ struct PackedSequences {
 template <class T>
 void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<const T, 3> k,
-                              detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<T> lambda,
-                              detail::nondeduced_view<T, 3> out, detail::nondeduced_view<T, 2> lse,
+                              detail::nondeduced_view<const T, 3> v,
+                              detail::nondeduced_t<compute_t<T>> lambda,
+                              detail::nondeduced_view<T, 3> out,
+                              detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen";
   detail::AttentionProblem<T> p =
@@ -83,7 +86,7 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                              &lambda, nullptr, detail::as_batch1(out), detail::as_batch1(lse),
                              options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// diff_attention_v1 over a packed batch; one lambda per DIFF head, lambda (H).
@@ -91,8 +94,9 @@ template <class T>
 void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<const T, 3> k,
                               detail::nondeduced_view<const T, 3> v,
-                              detail::nondeduced_view<const T, 1> lambda,
-                              detail::nondeduced_view<T, 3> out, detail::nondeduced_view<T, 2> lse,
+                              detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                              detail::nondeduced_view<T, 3> out,
+                              detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen";
   detail::AttentionProblem<T> p =
@@ -100,7 +104,7 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                              nullptr, &lambda, detail::as_batch1(out), detail::as_batch1(lse),
                              options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// diff_attention_v2 over a packed batch; lambda_logit (T_q, H).
@@ -109,28 +113,29 @@ void diff_attention_v2_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<const T, 3> k,
                               detail::nondeduced_view<const T, 3> v,
                               detail::nondeduced_view<const T, 2> lambda_logit,
-                              detail::nondeduced_view<T, 3> out, detail::nondeduced_view<T, 2> lse,
+                              detail::nondeduced_view<T, 3> out,
+                              detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v2_varlen";
   detail::AttentionProblem<T> p = detail::validate_v2<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
       detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse), options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// Plain attention over a packed batch.
 template <class T>
 void attention_varlen(detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
                       detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<T, 3> out,
-                      detail::nondeduced_view<T, 2> lse, const PackedSequences& seqs,
+                      detail::nondeduced_view<compute_t<T>, 2> lse, const PackedSequences& seqs,
                       const AttentionOptions& options = {}) {
   constexpr const char* fn = "attention_varlen";
   detail::AttentionProblem<T> p =
       detail::validate_plain<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
                                 detail::as_batch1(out), detail::as_batch1(lse), options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention<T>(p, options);
+  detail::run_attention(p, options);
 }
 
 /// Backward of diff_attention_v1_varlen with one lambda: dq, dk, dv shaped as
@@ -138,12 +143,15 @@ void attention_varlen(detail::nondeduced_view<const T, 3> q, detail::nondeduced_
 template <class T>
 void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
-    detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<T> lambda,
-    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const T, 2> lse,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv, T& dlambda,
     const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
       detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
@@ -157,13 +165,16 @@ void diff_attention_v1_varlen_backward(
 template <class T>
 void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
-    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 1> lambda,
-    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const T, 2> lse,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 1> dlambda, const PackedSequences& seqs,
     const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
       detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
@@ -177,12 +188,15 @@ template <class T>
 void diff_attention_v2_varlen_backward(
     detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
     detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 2> lambda_logit,
-    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const T, 2> lse,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 2> dlambda_logit, const PackedSequences& seqs,
     const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v2_varlen_backward";
+  static_assert(!is_half_storage_v<T>,
+                "diff_attention_v2_varlen_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
       detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse),
@@ -194,14 +208,19 @@ void diff_attention_v2_varlen_backward(
 
 /// Backward of attention_varlen.
 template <class T>
-void attention_varlen_backward(
-    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
-    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 3> out,
-    detail::nondeduced_view<const T, 2> lse, detail::nondeduced_view<const T, 3> dout,
-    detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
-    detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
-    const AttentionOptions& options = {}) {
+void attention_varlen_backward(detail::nondeduced_view<const T, 3> q,
+                               detail::nondeduced_view<const T, 3> k,
+                               detail::nondeduced_view<const T, 3> v,
+                               detail::nondeduced_view<const T, 3> out,
+                               detail::nondeduced_view<const compute_t<T>, 2> lse,
+                               detail::nondeduced_view<const T, 3> dout,
+                               detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
+                               detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
+                               const AttentionOptions& options = {}) {
   constexpr const char* fn = "attention_varlen_backward";
+  static_assert(!is_half_storage_v<T>,
+                "attention_varlen_backward: no 16-bit storage; compute "
+                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_plain<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), detail::as_batch1(out),
       detail::as_batch1(lse), detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -32,6 +33,7 @@
 #include "../lambda.hpp"
 #include "../options.hpp"
 #include "block_info.hpp"
+#include "convert.hpp"
 #include "decode_kernel.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
@@ -52,12 +54,17 @@ namespace detail {
 /// The block sees the keys [begin(0), end(rows - 1)) (a band under a window);
 /// score rows start at kbase, that band's start rounded down to a whole panel.
 /// Tiles outside the band are skipped, so the work follows the visible pairs.
-template <class T>
-void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_t blk,
-                   Workspace<T>& ws, std::uint64_t call_id) {
-  using Cfg = TileConfig<T>;
+///
+/// Storage: q and out hold T, k and v hold KV; everything here (scaled
+/// queries, panels, scores, W, the output block) is the compute type C
+/// (float for 16-bit storage). Each stored element is converted once: queries
+/// when scaled, keys and values when packed, output rows when written.
+template <class T, class KV, class C = compute_t<T>>
+void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, index_t blk,
+                   Workspace<C>& ws, std::uint64_t call_id) {
+  using Cfg = TileConfig<C>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
-  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
 
   const SeqSpan sq = p.seq(seq);
   const index_t d = p.head_dim, dv = p.value_dim;
@@ -80,15 +87,16 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   const index_t lds = round_up(kend_block - kbase, NR);  // (rows_pad, lds) score rows
 
   // 1. Scaled queries (rows_pad, d); padding rows are zero.
-  T* qs[2] = {nullptr, nullptr};
+  C* qs[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) {
     qs[m] = ws.q[m].get(rows_pad * d);
     for (index_t ii = 0; ii < rows; ++ii) {
       const T* src = &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
-      T* dst = qs[m] + ii * d;
-      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * src[t];
+      C* dst = qs[m] + ii * d;
+      const C* row = row_as<C>(src, d, dst);
+      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
     }
-    std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, T(0));
+    std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
   }
 
   // 2. Key and value panels of [kbase, kend_block), reused while the same (call,
@@ -120,15 +128,15 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   }
 
   // 3. Scores S_m (rows_pad, lds): panel by panel, skipping tiles outside the band.
-  T* s[2] = {nullptr, nullptr};
+  C* s[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) s[m] = ws.s[m].get(rows_pad * lds);
   for (int m = 0; m < maps; ++m) {
-    const T* kp = ws.k[shared_k ? 0 : m].get(0) + (kbase - ws.packed_begin) * d;
+    const C* kp = ws.k[shared_k ? 0 : m].get(0) + (kbase - ws.packed_begin) * d;
     for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
-      const T* panel = kp + (j0 - kbase) * d;
+      const C* panel = kp + (j0 - kbase) * d;
       for (index_t r = 0; r < tiles; ++r) {
         if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
-        micro_kernel<T>(d, qs[m] + r * MR * d, d, panel, NR, s[m] + r * MR * lds + (j0 - kbase),
+        micro_kernel<C>(d, qs[m] + r * MR * d, d, panel, NR, s[m] + r * MR * lds + (j0 - kbase),
                         lds, false);
       }
     }
@@ -139,14 +147,14 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
   for (index_t ii = 0; ii < rows; ++ii) {
     const index_t i = sq.q0 + i0 + ii, n = br.count(ii);
     const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
-    T* w = s[0] + ii * lds + off;
-    const RowStats<T> st1 = exp_row(w, n, false);
-    const T c1 = st1.sum > T(0) ? T(1) / st1.sum : T(0);
+    C* w = s[0] + ii * lds + off;
+    const RowStats<C> st1 = exp_row(w, n, false);
+    const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
     if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
     if (maps == 2) {
-      T* s2 = s[1] + ii * lds + off;
-      const RowStats<T> st2 = exp_row(s2, n, false);
-      const T c2 = st2.sum > T(0) ? row_lambda(p, sq.b, i, oh) / st2.sum : T(0);
+      C* s2 = s[1] + ii * lds + off;
+      const RowStats<C> st2 = exp_row(s2, n, false);
+      const C c2 = st2.sum > C(0) ? row_lambda(p, sq.b, i, oh) / st2.sum : C(0);
       if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = row_lse(st2);
       ArrayMap wa(w, n);
       wa = wa * c1 - ArrayMap(s2, n) * c2;
@@ -157,13 +165,13 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
 
   // 5. O (rows_pad, dvp) = W V, value chunk by chunk.
   const index_t dvp = round_up(dv, NR);
-  T* o = ws.o.get(rows_pad * dvp);
-  std::fill(o, o + rows_pad * dvp, T(0));
+  C* o = ws.o.get(rows_pad * dvp);
+  std::fill(o, o + rows_pad * dvp, C(0));
   {
     // Value panel c0 holds the packed keys' rows at vp + c0 * prows, key j at
     // row j - packed_begin. Chunks of kBlockN keys keep what the tiles share in L2.
     const index_t prows = ws.packed_end - ws.packed_begin, pb = ws.packed_begin;
-    const T* vp = ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
+    const C* vp = ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
     for (index_t j0 = kbase; j0 < kend_block; j0 += BN) {
       const index_t j1 = std::min(j0 + BN, kend_block);
       for (index_t r = 0; r < tiles; ++r) {
@@ -178,10 +186,10 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
           for (index_t j = ja; j < jb; ++j)
             for (index_t ii = r0; ii < r1; ++ii) {
               if (j < br.begin(ii) || j >= br.end(ii)) continue;
-              const T wij = s[0][ii * lds + (j - kbase)];
-              T* orow = o + ii * dvp;
+              const C wij = s[0][ii * lds + (j - kbase)];
+              C* orow = o + ii * dvp;
               for (index_t c0 = 0; c0 < dvp; c0 += NR) {
-                const T* vrow = vp + c0 * prows + (j - pb) * NR;
+                const C* vrow = vp + c0 * prows + (j - pb) * NR;
                 for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
               }
             }
@@ -192,19 +200,23 @@ void process_block(const AttentionProblem<T>& p, index_t seq, index_t oh, index_
           continue;
         }
         add_rows(lo, sh_lo);
-        const T* a = s[0] + r0 * lds + (sh_lo - kbase);
+        const C* a = s[0] + r0 * lds + (sh_lo - kbase);
         for (index_t c0 = 0; c0 < dvp; c0 += NR)
-          micro_kernel<T>(sh_hi - sh_lo, a, lds, vp + c0 * prows + (sh_lo - pb) * NR, NR,
+          micro_kernel<C>(sh_hi - sh_lo, a, lds, vp + c0 * prows + (sh_lo - pb) * NR, NR,
                           o + r0 * dvp + c0, dvp, true);
         add_rows(sh_hi, hi);
       }
     }
   }
 
-  // 6. Rows to the caller's layout.
-  for (index_t ii = 0; ii < rows; ++ii)
-    std::memcpy(&p.out(sq.b, sq.q0 + i0 + ii, oh, 0), o + ii * dvp,
-                static_cast<std::size_t>(dv) * sizeof(T));
+  // 6. Rows to the caller's layout (rounded once to T for 16-bit storage).
+  for (index_t ii = 0; ii < rows; ++ii) {
+    T* dst = &p.out(sq.b, sq.q0 + i0 + ii, oh, 0);
+    if constexpr (std::is_same<T, C>::value)
+      std::memcpy(dst, o + ii * dvp, static_cast<std::size_t>(dv) * sizeof(T));
+    else
+      convert_row(o + ii * dvp, dv, dst);
+  }
 }
 
 inline std::uint64_t next_call_id() {
@@ -227,9 +239,10 @@ inline std::uint64_t next_call_id() {
 /// a second pass merges each sequence's states in chunk order and
 /// writes the output. Which chunks exist follows from the problem alone, so
 /// the result is the same for any thread count.
-template <class T>
-void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options) {
-  using Cfg = TileConfig<T>;
+template <class T, class KV>
+void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options) {
+  using C = compute_t<T>;
+  using Cfg = TileConfig<C>;
   const index_t bm = Cfg::kBlockM;
   const index_t run = p.band.left >= 0 ? Cfg::kPackAhead : 1;  // blocks per task
   const index_t S = p.num_seqs();
@@ -258,7 +271,7 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
   }
   const index_t tasks = first.back();
   if (tasks == 0) return;
-  std::vector<T> states(at(state_first.back()));
+  std::vector<C> states(at(state_first.back()));
   auto seq_of = [&](index_t t) {
     return static_cast<index_t>(std::upper_bound(first.begin(), first.end(), t) - first.begin()) -
            1;
@@ -268,18 +281,18 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     const index_t s = seq_of(t);
     const index_t local = t - first[at(s)];
     const SeqSpan sq = p.seq(s);
-    Workspace<T>& ws = thread_workspace<T>();
+    Workspace<C>& ws = thread_workspace<C>();
     if (chunks[at(s)] > 0) {
       const index_t nc = chunks[at(s)], c = local;
       const DecodeLanes dl = decode_lanes(p, sq.n);
       const DecodeChunks& pl = plan[at(s)];
       if (nc == 1) {
-        T* o = ws.o.get(dl.rows() * dv);
-        T* lse = ws.lse.get(dl.rows());
+        C* o = ws.o.get(dl.rows() * dv);
+        C* lse = ws.lse.get(dl.rows());
         decode_states(p, sq, dl, pl.begin(0), pl.end(0), ws, o, lse);
-        decode_finish(p, sq, dl, o, lse);
+        decode_finish(p, sq, dl, o, lse, ws);
       } else {
-        T* o = states.data() + state_first[at(s)] + local * dl.rows() * (dv + 1);
+        C* o = states.data() + state_first[at(s)] + local * dl.rows() * (dv + 1);
         decode_states(p, sq, dl, pl.begin(c), pl.end(c), ws, o, o + dl.rows() * dv);
       }
       return;
@@ -287,10 +300,10 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
     const index_t nb = (sq.n + bm - 1) / bm, runs = (nb + run - 1) / run;
     const index_t oh = local / runs, r = runs - 1 - local % runs;
     for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk)
-      process_block<T>(p, s, oh, blk, ws, call_id);
+      process_block(p, s, oh, blk, ws, call_id);
   };
   parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
-                 [] { thread_workspace<T>().trim(); });
+                 [] { thread_workspace<C>().trim(); });
   if (states.empty()) return;
 
   // Merge the chunk states of every split sequence, in chunk order.
@@ -305,10 +318,10 @@ void run_attention(const AttentionProblem<T>& p, const AttentionOptions& options
         const SeqSpan sq = p.seq(s);
         const DecodeLanes dl = decode_lanes(p, sq.n);
         const index_t stride = dl.rows() * (dv + 1);
-        T* st = states.data() + state_first[at(s)];
+        C* st = states.data() + state_first[at(s)];
         const index_t nc = chunks[at(s)];
         merge_chunk_states(st, nc, stride, dl.rows(), dv);
-        decode_finish(p, sq, dl, st, st + dl.rows() * dv);
+        decode_finish(p, sq, dl, st, st + dl.rows() * dv, thread_workspace<C>());
       },
       [] {});
 }

@@ -20,8 +20,8 @@ struct HeadMap {
   index_t group;  // kv group, the cache key of the packed keys
 };
 
-template <class T>
-HeadMap head_map(const AttentionProblem<T>& p, index_t oh) {
+template <class T, class KV>
+HeadMap head_map(const AttentionProblem<T, KV>& p, index_t oh) {
   const index_t g = oh / p.group;
   switch (p.kind) {
     case AttnKind::v1:
@@ -33,9 +33,12 @@ HeadMap head_map(const AttentionProblem<T>& p, index_t oh) {
   }
 }
 
-template <class T>
-T row_lambda(const AttentionProblem<T>& p, index_t b, index_t i, index_t oh) {
-  if (p.kind == AttnKind::v2) return lambda_sigmoid<T>(p.lambda_logit(b, i, oh));
+/// The lambda of row i of output head oh, in the compute type (V2's logit is
+/// stored as the queries are and widened before the sigmoid).
+template <class T, class KV>
+compute_t<T> row_lambda(const AttentionProblem<T, KV>& p, index_t b, index_t i, index_t oh) {
+  using C = compute_t<T>;
+  if (p.kind == AttnKind::v2) return lambda_sigmoid<C>(static_cast<C>(p.lambda_logit(b, i, oh)));
   if (!p.lambda_heads.empty()) return p.lambda_heads(oh);
   return p.lambda_scalar;
 }

@@ -108,7 +108,9 @@ struct StridedRows {
 /// panels of kNR rows each stored transposed: panel p holds
 /// dst[p * width * kNR + t * kNR + c] = row(p * kNR + c)[t]; rows from `rows`
 /// up to the next multiple of kNR are zero. Used for K: one panel is the B
-/// operand of S = Q K^T for kNR keys.
+/// operand of S = Q K^T for kNR keys. The source may be stored narrower than
+/// T (a 16-bit cache under float panels): each element is converted once,
+/// here.
 template <class T, class Rows>
 inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
@@ -118,11 +120,11 @@ inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t 
     for (index_t c = 0; c < nr; ++c) {
       const index_t j = p0 + c;
       if (j < rows) {
-        const T* row = row_of(j);
+        const auto* row = row_of(j);
         // Rows of a strided K lie far apart (one kv head among many), beyond
         // what the hardware prefetcher follows: ask for a row a few ahead.
         if (j + kPrefetchRows < rows) prefetch_row(row_of(j + kPrefetchRows), width);
-        for (index_t t = 0; t < width; ++t) panel[t * nr + c] = row[t];
+        for (index_t t = 0; t < width; ++t) panel[t * nr + c] = static_cast<T>(row[t]);
       } else {
         for (index_t t = 0; t < width; ++t) panel[t * nr + c] = T(0);
       }
@@ -131,15 +133,16 @@ inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t 
 }
 
 /// pack_rows_transposed_from for rows at src + r * ld.
-template <class T>
-inline void pack_rows_transposed(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
-  pack_rows_transposed_from(StridedRows<T>{src, ld}, rows, width, dst);
+template <class S, class T>
+inline void pack_rows_transposed(const S* src, index_t ld, index_t rows, index_t width, T* dst) {
+  pack_rows_transposed_from(StridedRows<S>{src, ld}, rows, width, dst);
 }
 
 /// Packs a (rows x width) source, row r at row(r), into column panels of kNR
 /// columns: panel c holds dst[c * rows * kNR + r * kNR + cc] =
 /// row(r)[c * kNR + cc], zero beyond `width`. Used for V: one panel is the B
-/// operand of O = W V for kNR output features.
+/// operand of O = W V for kNR output features. As for the keys, a narrower
+/// source is converted here, element by element in a fixed-size loop.
 template <class T, class Rows>
 inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
@@ -149,13 +152,13 @@ inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* d
     const index_t c0 = c * nr;
     const index_t n = std::min(nr, width - c0);
     for (index_t r = 0; r < rows; ++r) {
-      const T* row = row_of(r) + c0;
+      const auto* row = row_of(r) + c0;
       T* out = panel + r * nr;
       if (r + kPrefetchRows < rows) prefetch_row(row_of(r + kPrefetchRows) + c0, n);
       if (n == nr) {  // a whole panel row: a fixed-size copy the compiler inlines
-        for (index_t cc = 0; cc < nr; ++cc) out[cc] = row[cc];
+        for (index_t cc = 0; cc < nr; ++cc) out[cc] = static_cast<T>(row[cc]);
       } else {
-        for (index_t cc = 0; cc < n; ++cc) out[cc] = row[cc];
+        for (index_t cc = 0; cc < n; ++cc) out[cc] = static_cast<T>(row[cc]);
         for (index_t cc = n; cc < nr; ++cc) out[cc] = T(0);
       }
     }
@@ -163,9 +166,9 @@ inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* d
 }
 
 /// pack_cols_from for rows at src + r * ld.
-template <class T>
-inline void pack_cols(const T* src, index_t ld, index_t rows, index_t width, T* dst) {
-  pack_cols_from(StridedRows<T>{src, ld}, rows, width, dst);
+template <class S, class T>
+inline void pack_cols(const S* src, index_t ld, index_t rows, index_t width, T* dst) {
+  pack_cols_from(StridedRows<S>{src, ld}, rows, width, dst);
 }
 
 }  // namespace detail

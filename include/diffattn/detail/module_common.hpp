@@ -18,7 +18,9 @@
 #include "../softmax.hpp"
 #include "../io/safetensors.hpp"
 #include "../kv_cache.hpp"
+#include "../kvcache_attention.hpp"
 #include "../tensor.hpp"
+#include "convert.hpp"
 #include "format.hpp"
 #include "linear.hpp"
 #include "random.hpp"
@@ -101,8 +103,8 @@ TensorView<const T, 3> module_rows(const Tensor<T, 3>& t, index_t r0, index_t n)
 
 /// Checks that `cache` fits a layer whose tokens have k_heads x k_dim keys and
 /// v_heads x v_dim values, the batch of x (B, n, E), and room for n tokens.
-template <class T>
-void module_check_cache(const char* fn, const KVCache<T>& cache, const TensorView<const T, 3>& x,
+template <class S, class T>
+void module_check_cache(const char* fn, const KVCache<S>& cache, const TensorView<const T, 3>& x,
                         index_t k_heads, index_t k_dim, index_t v_heads, index_t v_dim,
                         index_t keep) {
   if (cache.key_heads() != k_heads || cache.key_dim() != k_dim ||
@@ -123,24 +125,39 @@ void module_check_cache(const char* fn, const KVCache<T>& cache, const TensorVie
 /// cache, in pieces that fit it, and after writing each piece calls
 /// attend(a, np, keys, values): the queries of tokens [a, a + np) attend to
 /// keys and values, every held token followed by the piece's (so a causal
-/// mask aligned bottom-right is the right one).
-template <class T, class Attend>
-void module_cache_append(KVCache<T>& cache, Tensor<T, 4>& k, Tensor<T, 4>& v, Attend&& attend) {
+/// mask aligned bottom-right is the right one). A cache of a narrower type S
+/// (a float layer's bfloat16 cache) gets the keys and values rounded to S.
+template <class S, class T, class Attend>
+void module_cache_append(KVCache<S>& cache, Tensor<T, 4>& k, Tensor<T, 4>& v, Attend&& attend) {
   const index_t n = k.shape(1), row = k.shape(2) * k.shape(3), vrow = v.shape(2) * v.shape(3);
   for (index_t a = 0; a < n;) {
     const index_t np = std::min(n - a, cache.max_append());
     if (np < 1) fail("KVCache", "no room to append to a cache holding ", cache.size());
     const index_t r = cache.reserve(np);
-    TensorView<T, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
+    TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
     for (index_t b = 0; b < k.shape(0); ++b) {
-      std::copy_n(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
-      std::copy_n(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+      convert_row(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
+      convert_row(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
     }
     attend(a, np, cache.keys_with(np), cache.values_with(np));
     cache.commit(np);
     a += np;
   }
 }
+
+/// The cache lengths of a batch of b sequences that each hold all `keys` rows:
+/// how a layer hands its own 16-bit cache to the *_kvcache kernels (the only
+/// kernels that read keys and values of another type than the queries).
+struct FullCache {
+  Tensor<index_t, 1> lengths;  // (B)
+  KVCacheBatch batch;
+  FullCache(index_t b, index_t keys) : lengths({b}) {
+    lengths.fill(keys);
+    batch.cache_seqlens = lengths;
+  }
+  FullCache(const FullCache&) = delete;
+  FullCache& operator=(const FullCache&) = delete;
+};
 
 /// The kernel options of a layer.
 inline AttentionOptions module_options(bool causal, index_t left, index_t right, int threads) {

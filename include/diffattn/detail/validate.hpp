@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../config.hpp"
 #include "../options.hpp"
 #include "../tensor.hpp"
+#include "../types.hpp"
 #include "format.hpp"
 #include "tile.hpp"
 #include "traits.hpp"
@@ -30,19 +32,27 @@ struct SeqSpan {
 ///   plain: query head oh,           g = oh / group, key head g,            value head g
 ///   v1:    query heads 2oh, 2oh+1,  g = oh / group, key heads 2g and 2g+1, value head g
 ///   v2:    query heads 2oh, 2oh+1,  g = oh / group, key head g (both maps), value head g
-template <class T>
+///
+/// Storage: q, out and lambda_logit hold T, k and v hold KV (T, or a 16-bit
+/// cache under float or double queries). The kernels compute in C =
+/// compute_t<T> (float for 16-bit T); lse, lambda and the scale are C.
+template <class T, class KV = T>
 struct AttentionProblem {
+  static_assert(std::is_same<KV, T>::value || is_half_storage_v<KV>,
+                "k and v hold the queries' type, or a 16-bit type (a bfloat16 or half cache)");
+  using C = compute_t<T>;
   AttnKind kind = AttnKind::plain;
-  TensorView<const T, 4> q, k, v;
+  TensorView<const T, 4> q;
+  TensorView<const KV, 4> k, v;
   TensorView<T, 4> out;
-  TensorView<T, 3> lse;                 // (B, query heads, N); empty: not wanted
-  TensorView<const T, 1> lambda_heads;  // v1, (H); empty: lambda_scalar for all heads
+  TensorView<C, 3> lse;                 // (B, query heads, N); empty: not wanted
+  TensorView<const C, 1> lambda_heads;  // v1, (H); empty: lambda_scalar for all heads
   TensorView<const T, 3> lambda_logit;  // v2, (B, N, H)
-  T lambda_scalar = T(0);
+  C lambda_scalar = C(0);
   index_t batch = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0, value_dim = 0;
   index_t heads = 0;  // output heads: H for the differential kernels, Hq for plain
   index_t group = 1;  // output heads per kv group
-  T scale = T(1);
+  C scale = C(1);
   bool causal = false;
   KeyBand band;  // the visible keys of each row (causal and window)
   // Packed batch (batch == 1): sequence s owns query rows [cu_q[s], cu_q[s+1])
@@ -73,12 +83,13 @@ struct AttentionProblem {
   }
   /// Key j (0-based within sequence sq) of key head h: the row source every
   /// path reads keys through (contiguous, per-sequence lengths, paged).
-  const T* key_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(k, sq, j, h); }
+  const KV* key_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(k, sq, j, h); }
   /// Value j of sequence sq, value head h.
-  const T* value_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(v, sq, j, h); }
+  const KV* value_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(v, sq, j, h); }
 
  private:
-  const T* row_of(const TensorView<const T, 4>& t, const SeqSpan& sq, index_t j, index_t h) const {
+  const KV* row_of(const TensorView<const KV, 4>& t, const SeqSpan& sq, index_t j,
+                   index_t h) const {
     if (block_table.empty()) return &t(sq.b, sq.k0 + j, h, 0);
     return &t(block_table(sq.b, j / block_size), j % block_size, h, 0);
   }
@@ -108,8 +119,8 @@ void check_shape(const char* fn, const char* name, const V& t, const typename V:
 }
 
 /// Checks shared by all kernels; fills the extents that q, k and v fix.
-template <class T>
-void validate_common(const char* fn, AttentionProblem<T>& p, const AttentionOptions& options) {
+template <class T, class KV>
+void validate_common(const char* fn, AttentionProblem<T, KV>& p, const AttentionOptions& options) {
   validate_options(fn, options);
   check_head_contiguous(fn, "q", p.q);
   check_head_contiguous(fn, "k", p.k);
@@ -132,23 +143,24 @@ void validate_common(const char* fn, AttentionProblem<T>& p, const AttentionOpti
   p.head_dim = qs[3];
   p.causal = options.causal;
   p.band = band_of(options);
-  p.scale = static_cast<T>(effective_scale(options, p.head_dim));
+  p.scale = static_cast<compute_t<T>>(effective_scale(options, p.head_dim));
   p.split_keys = kSplitKeys;
 }
 
 /// out and lse must not overlap any input or each other.
-template <class T>
-void check_outputs(const char* fn, const AttentionProblem<T>& p, const char* lambda_name) {
-  const char* names[] = {"q", "k", "v"};
-  const TensorView<const T, 4>* ins[] = {&p.q, &p.k, &p.v};
-  for (int i = 0; i < 3; ++i) {
-    if (ranges_overlap(p.out, *ins[i]))
-      fail(fn, "out ", shape_str(p.out.shape()), " overlaps input ", names[i], " ",
-           shape_str(ins[i]->shape()), " in memory");
-    if (ranges_overlap(p.lse, *ins[i]))
-      fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps input ", names[i], " ",
-           shape_str(ins[i]->shape()), " in memory");
-  }
+template <class T, class KV>
+void check_outputs(const char* fn, const AttentionProblem<T, KV>& p, const char* lambda_name) {
+  auto check_input = [&](const char* name, const auto& in) {
+    if (ranges_overlap(p.out, in))
+      fail(fn, "out ", shape_str(p.out.shape()), " overlaps input ", name, " ",
+           shape_str(in.shape()), " in memory");
+    if (ranges_overlap(p.lse, in))
+      fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps input ", name, " ",
+           shape_str(in.shape()), " in memory");
+  };
+  check_input("q", p.q);
+  check_input("k", p.k);
+  check_input("v", p.v);
   if (ranges_overlap(p.out, p.lse))
     fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps out ", shape_str(p.out.shape()),
          " in memory");
@@ -158,19 +170,20 @@ void check_outputs(const char* fn, const AttentionProblem<T>& p, const char* lam
     fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps ", lambda_name, " in memory");
 }
 
-template <class T>
-void check_lse(const char* fn, const AttentionProblem<T>& p, index_t query_heads) {
+template <class T, class KV>
+void check_lse(const char* fn, const AttentionProblem<T, KV>& p, index_t query_heads) {
   if (!p.has_lse()) return;
   check_shape(fn, "lse", p.lse, {p.batch, query_heads, p.seqlen_q}, "(B, Hq, N)");
 }
 
-template <class T>
-AttentionProblem<T> validate_v1(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                                TensorView<const T, 4> v, const T* lambda,
-                                const TensorView<const T, 1>* lambda_heads, TensorView<T, 4> out,
-                                TensorView<T, 3> lse, const AttentionOptions& options,
-                                const char* fn = "diff_attention_v1") {
-  AttentionProblem<T> p;
+template <class T, class KV = T>
+AttentionProblem<T, KV> validate_v1(TensorView<const T, 4> q, nondeduced_view<const KV, 4> k,
+                                    nondeduced_view<const KV, 4> v, const compute_t<T>* lambda,
+                                    const TensorView<const compute_t<T>, 1>* lambda_heads,
+                                    TensorView<T, 4> out, TensorView<compute_t<T>, 3> lse,
+                                    const AttentionOptions& options,
+                                    const char* fn = "diff_attention_v1") {
+  AttentionProblem<T, KV> p;
   p.kind = AttnKind::v1;
   p.q = q;
   p.k = k;
@@ -208,13 +221,14 @@ AttentionProblem<T> validate_v1(TensorView<const T, 4> q, TensorView<const T, 4>
   return p;
 }
 
-template <class T>
-AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                                TensorView<const T, 4> v, TensorView<const T, 3> lambda_logit,
-                                TensorView<T, 4> out, TensorView<T, 3> lse,
-                                const AttentionOptions& options,
-                                const char* fn = "diff_attention_v2") {
-  AttentionProblem<T> p;
+template <class T, class KV = T>
+AttentionProblem<T, KV> validate_v2(TensorView<const T, 4> q, nondeduced_view<const KV, 4> k,
+                                    nondeduced_view<const KV, 4> v,
+                                    TensorView<const T, 3> lambda_logit, TensorView<T, 4> out,
+                                    TensorView<compute_t<T>, 3> lse,
+                                    const AttentionOptions& options,
+                                    const char* fn = "diff_attention_v2") {
+  AttentionProblem<T, KV> p;
   p.kind = AttnKind::v2;
   p.q = q;
   p.k = k;
@@ -249,12 +263,13 @@ AttentionProblem<T> validate_v2(TensorView<const T, 4> q, TensorView<const T, 4>
   return p;
 }
 
-template <class T>
-AttentionProblem<T> validate_plain(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                                   TensorView<const T, 4> v, TensorView<T, 4> out,
-                                   TensorView<T, 3> lse, const AttentionOptions& options,
-                                   const char* fn = "attention") {
-  AttentionProblem<T> p;
+template <class T, class KV = T>
+AttentionProblem<T, KV> validate_plain(TensorView<const T, 4> q, nondeduced_view<const KV, 4> k,
+                                       nondeduced_view<const KV, 4> v, TensorView<T, 4> out,
+                                       TensorView<compute_t<T>, 3> lse,
+                                       const AttentionOptions& options,
+                                       const char* fn = "attention") {
+  AttentionProblem<T, KV> p;
   p.kind = AttnKind::plain;
   p.q = q;
   p.k = k;
@@ -311,8 +326,8 @@ inline void check_cu_seqlens(const char* fn, const char* name, const std::vector
 
 /// Checks the cumulative offsets of a packed batch against the token extents
 /// of q (p.seqlen_q) and k (p.seqlen_k) and attaches them to the problem.
-template <class T>
-void attach_packed(const char* fn, AttentionProblem<T>& p, const std::vector<index_t>& cu_q,
+template <class T, class KV>
+void attach_packed(const char* fn, AttentionProblem<T, KV>& p, const std::vector<index_t>& cu_q,
                    const std::vector<index_t>& cu_k_in) {
   const std::vector<index_t>& cu_k = cu_k_in.empty() ? cu_q : cu_k_in;
   check_cu_seqlens(fn, "cu_seqlens_q", cu_q, p.seqlen_q, "q");

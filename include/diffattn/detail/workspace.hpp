@@ -53,6 +53,7 @@ struct Workspace {
   ScratchBuffer<T> v;     // values of the packed keys, column panels (keys, dv)
   ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
   ScratchBuffer<T> lse;   // decoding: log-sum-exp of each query row's state (rows)
+  ScratchBuffer<T> row;   // decoding: one 16-bit K, V or output row widened to T (d or dv)
 
   // Which keys k[] and v hold, [packed_begin, packed_end) of one sequence and kv
   // group, so that consecutive blocks of one head skip repacking.
@@ -60,7 +61,7 @@ struct Workspace {
   index_t packed_seq = -1, packed_group = -1, packed_begin = 0, packed_end = 0;
 
   void trim() {
-    ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o, &lse};
+    ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o, &lse, &row};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > kRetainBytes) {

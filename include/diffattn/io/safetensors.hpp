@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -27,6 +28,8 @@
 #include "../detail/safetensors_bytes.hpp"
 #include "../detail/safetensors_json.hpp"
 #include "../error.hpp"
+#include "../tensor.hpp"
+#include "../types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace safetensors {
@@ -47,11 +50,16 @@ inline bool is_float_dtype(const std::string& dtype) {
   return dtype == "F16" || dtype == "BF16" || dtype == "F32" || dtype == "F64";
 }
 
-/// The dtype written for T: "F32" for float, "F64" for double.
+/// The dtype written for T: "F32" for float, "F64" for double, "BF16" for
+/// bfloat16, "F16" for half.
 template <class T>
 const char* dtype_of() {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "safetensors: only float (F32) and double (F64) are written");
+  static_assert(
+      std::is_same<T, float>::value || std::is_same<T, double>::value || is_half_storage_v<T>,
+      "safetensors: only float (F32), double (F64), bfloat16 (BF16) and half (F16) "
+      "are written");
+  if (std::is_same<T, bfloat16>::value) return "BF16";
+  if (std::is_same<T, half>::value) return "F16";
   return std::is_same<T, float>::value ? "F32" : "F64";
 }
 
@@ -85,10 +93,28 @@ struct TensorInfo {
   }
 };
 
-/// Converts n elements of a float dtype at `src` to T.
+/// Converts n elements of a float dtype at `src` to T. BF16 into bfloat16 and
+/// F16 into half copy the bits (no widening, NaN payloads kept); any other
+/// pair converts the value (to a 16-bit T: rounded to nearest even, through
+/// float).
 template <class T>
 void convert(const std::string& dtype, const unsigned char* src, index_t n, T* dst) {
   using detail::safetensors_load_le;
+  if constexpr (is_half_storage_v<T>) {
+    if (dtype == dtype_of<T>()) {
+      for (index_t i = 0; i < n; ++i) {
+        const auto bits = static_cast<std::uint16_t>(safetensors_load_le(src + 2 * i, 2));
+        std::memcpy(static_cast<void*>(dst + i), &bits, 2);
+      }
+      return;
+    }
+    if (dtype == "F32" || dtype == "F64" || dtype == "F16" || dtype == "BF16") {
+      std::vector<float> wide(static_cast<std::size_t>(n));
+      convert<float>(dtype, src, n, wide.data());
+      for (index_t i = 0; i < n; ++i) dst[i] = static_cast<T>(wide[static_cast<std::size_t>(i)]);
+      return;
+    }
+  }
   if (dtype == "F32") {
     for (index_t i = 0; i < n; ++i)
       dst[i] = static_cast<T>(detail::safetensors_bits_to_f32(
@@ -110,7 +136,8 @@ void convert(const std::string& dtype, const unsigned char* src, index_t n, T* d
   }
 }
 
-/// Encodes n values of T (float or double) as F32 / F64 little-endian bytes.
+/// Encodes n values of T as F32, F64, BF16 or F16 (dtype_of<T>)
+/// little-endian bytes, bit for bit.
 template <class T>
 TensorData make_tensor(std::vector<index_t> shape, const T* data) {
   TensorData t;
@@ -122,7 +149,11 @@ TensorData make_tensor(std::vector<index_t> shape, const T* data) {
   t.bytes.resize(static_cast<std::size_t>(bytes));
   const index_t n = bytes / static_cast<index_t>(sizeof(T));
   for (index_t i = 0; i < n; ++i) {
-    if (std::is_same<T, float>::value) {
+    if (sizeof(T) == 2) {
+      std::uint16_t u;
+      std::memcpy(&u, static_cast<const void*>(data + i), 2);
+      detail::safetensors_store_le(t.bytes.data() + 2 * i, u, 2);
+    } else if (std::is_same<T, float>::value) {
       std::uint32_t u;
       std::memcpy(&u, data + i, 4);
       detail::safetensors_store_le(t.bytes.data() + 4 * i, u, 4);
@@ -133,6 +164,12 @@ TensorData make_tensor(std::vector<index_t> shape, const T* data) {
     }
   }
   return t;
+}
+
+/// make_tensor for a Tensor (its shape and contiguous data).
+template <class T, std::size_t R>
+TensorData make_tensor(const Tensor<T, R>& t) {
+  return make_tensor<T>(std::vector<index_t>(t.shape().begin(), t.shape().end()), t.data());
 }
 
 /// An open safetensors file: the header is read and checked on construction
@@ -216,6 +253,23 @@ class Reader {
       fail("tensor '", name, "' has dtype ", t.dtype, ", expected F16, BF16, F32 or F64");
     const std::vector<unsigned char> bytes = read_bytes(name);
     std::vector<T> out(static_cast<std::size_t>(t.numel()));
+    convert<T>(t.dtype, bytes.data(), t.numel(), out.data());
+    return out;
+  }
+
+  /// Tensor `name` as a Tensor<T, R> (see convert(): BF16 into bfloat16 and
+  /// F16 into half keep their bits). Throws when the file's rank is not R.
+  template <class T, std::size_t R>
+  Tensor<T, R> read_tensor(const std::string& name) const {
+    const TensorInfo& t = info(name);
+    if (!is_float_dtype(t.dtype))
+      fail("tensor '", name, "' has dtype ", t.dtype, ", expected F16, BF16, F32 or F64");
+    if (t.shape.size() != R)
+      fail("tensor '", name, "' has shape ", shape_str(t.shape), ", expected rank ", R);
+    std::array<index_t, R> shape{};
+    std::copy(t.shape.begin(), t.shape.end(), shape.begin());
+    Tensor<T, R> out(shape);
+    const std::vector<unsigned char> bytes = read_bytes(name);
     convert<T>(t.dtype, bytes.data(), t.numel(), out.data());
     return out;
   }

@@ -1,0 +1,152 @@
+// 16-bit storage against float: what bfloat16 buys where the kernels are
+// memory-bound (a decoding step reads the whole cache) and what it costs where
+// they are compute-bound (prefill: inputs widened once per tile, the products
+// in float either way).
+//
+//   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
+//                         pairs) on 8 kv heads of d = 64, float queries over a
+//                         cache of S (float or bfloat16), M keys, B = 1.
+//   BM_HalfPrefill_V1<S>  V1 prefill, 8 DIFF heads of d = 64 (q, k (N, 16, 64),
+//                         v (N, 8, 128)), N = 2048, causal, everything in S.
+//
+// As in bench_decode.cpp, caches are rotated copies so that the working set
+// is at least 4 x 32 MiB (this machine's L3): a step reads its cache from
+// memory. The bytes counter is the cache bytes a step reads.
+//
+// Before the runs, the program prints the memory of a V2 layer of this shape
+// (embedding 1024) and of its cache of 32k tokens in float and in bfloat16.
+//
+// Arguments: {M or N, threads}.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include <diffattn/attention.hpp>
+#include <diffattn/kvcache_attention.hpp>
+#include <diffattn/module.hpp>
+#include <diffattn/types.hpp>
+
+#include "bench_common.hpp"
+
+namespace {
+
+using namespace bench;
+using diffattn::bfloat16;
+using diffattn::KVCacheBatch;
+
+constexpr std::size_t kL3Bytes = std::size_t(32) << 20;
+constexpr std::size_t kWorkingSet = 4 * kL3Bytes;
+constexpr index_t kKvHeads = 8, kQueryHeads = 16;
+
+/// Uniform values in [-1, 1), stored as S.
+template <class S, std::size_t R>
+void fill_uniform(Tensor<S, R>& t, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (index_t i = 0; i < t.size(); ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t.data()[i] = static_cast<S>(static_cast<float>(static_cast<std::int32_t>(x >> 32)) *
+                                 (1.0f / 2147483648.0f));
+  }
+}
+
+template <class S>
+void BM_HalfDecode_V2(benchmark::State& state) {
+  const index_t M = state.range(0), d = kHeadDim;
+  const int threads = static_cast<int>(state.range(1));
+  const std::size_t kv_bytes = static_cast<std::size_t>(M * 2 * kKvHeads * d) * sizeof(S);
+  const std::size_t copies = std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
+  std::vector<Tensor<S, 4>> ks, vs;
+  for (std::size_t c = 0; c < copies; ++c) {
+    ks.emplace_back(std::array<index_t, 4>{1, M, kKvHeads, d});
+    vs.emplace_back(std::array<index_t, 4>{1, M, kKvHeads, d});
+    fill_uniform(ks.back(), 2 * c + 1);
+    fill_uniform(vs.back(), 2 * c + 2);
+  }
+  const auto q = random4({1, 1, kQueryHeads, d}, 7);  // float queries, never rounded
+  Tensor<float, 3> logit({1, 1, kQueryHeads / 2});
+  Tensor<float, 4> out({1, 1, kQueryHeads / 2, d});
+  Tensor<index_t, 1> lens({1});
+  lens(0) = M;
+  KVCacheBatch cache;
+  cache.cache_seqlens = lens;
+  diffattn::AttentionOptions o;
+  o.causal = true;
+  o.num_threads = threads;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    const Tensor<S, 4>& k = ks[it % copies];
+    const Tensor<S, 4>& v = vs[it % copies];
+    ++it;
+    diffattn::diff_attention_v2_kvcache<float, S>(q, k, v, logit, out, {}, cache, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["copies"] = static_cast<double>(copies);
+  set_counters(state, 0, static_cast<double>(kv_bytes));
+}
+
+template <class S>
+void BM_HalfPrefill_V1(benchmark::State& state) {
+  const index_t N = state.range(0), d = kHeadDim, H = 8;
+  const int threads = static_cast<int>(state.range(1));
+  Tensor<S, 4> q({1, N, 2 * H, d}), k({1, N, 2 * H, d}), v({1, N, H, 2 * d});
+  fill_uniform(q, 1);
+  fill_uniform(k, 2);
+  fill_uniform(v, 3);
+  Tensor<S, 4> out({1, N, H, 2 * d});
+  diffattn::AttentionOptions o;
+  o.causal = true;
+  o.num_threads = threads;
+  for (auto _ : state) {
+    diffattn::diff_attention_v1<S>(q, k, v, 0.8f, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  // Useful work: two score maps (2d flops per pair each) and W V (2 x 2d).
+  const double flops = visible_pairs(N) * static_cast<double>(H) * (2 * 2 * d + 2 * 2 * d);
+  set_counters(state, flops, static_cast<double>((q.size() + k.size() + v.size()) * sizeof(S)));
+}
+
+/// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
+/// tokens, float against bfloat16.
+void print_memory() {
+  diffattn::DiffAttnV2Config cfg;
+  cfg.embed_dim = kQueryHeads / 2 * kHeadDim;
+  cfg.num_heads = kQueryHeads / 2;
+  cfg.num_kv_heads = kKvHeads;
+  cfg.causal = true;
+  diffattn::MultiheadDiffAttnV2<float> layer(cfg, 1);
+  const double mib = 1.0 / (1 << 20);
+  const double weights = static_cast<double>(layer.num_parameters()) * sizeof(float) * mib;
+  const auto cf = layer.make_cache(1, 32768);
+  const auto cb = layer.make_cache<bfloat16>(1, 32768);
+  std::printf("V2 layer, E = %ld, 8 DIFF heads on 8 kv heads of 64:\n",
+              static_cast<long>(cfg.embed_dim));
+  std::printf("  weights (float; 16-bit parameters are not supported): %.2f MiB\n", weights);
+  std::printf("  KV cache of 32768 tokens: float %.2f MiB, bfloat16 %.2f MiB\n",
+              static_cast<double>(cf.bytes()) * mib, static_cast<double>(cb.bytes()) * mib);
+}
+
+void decode_args(benchmark::internal::Benchmark* b) {
+  b->Args({32768, 2})->Args({4096, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+void prefill_args(benchmark::internal::Benchmark* b) {
+  b->Args({2048, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+}  // namespace
+
+BENCHMARK_TEMPLATE(BM_HalfDecode_V2, float)->Apply(decode_args);
+BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16)->Apply(decode_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, float)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, bfloat16)->Apply(prefill_args);
+
+int main(int argc, char** argv) {
+  print_memory();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,105 @@
+// Conversions between storage and compute types, row by row: where the kernels
+// read 16-bit data (packing, query scaling, a decoding step's row reads) and
+// where they write it (output rows). Identity copies for float and double.
+#pragma once
+
+#include <algorithm>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "../config.hpp"
+#include "../types.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// dst[i] = D(src[i]) for i < n: float <-> bfloat16 / half through Eigen's
+/// packet conversions where the target has them (AVX: 8 at a time), element
+/// by element otherwise. float -> 16-bit rounds to nearest even.
+template <class S, class D>
+inline void convert_row(const S* src, index_t n, D* dst) {
+  if constexpr (std::is_same<S, D>::value) {
+    std::copy(src, src + n, dst);
+  } else {
+    index_t i = 0;
+#if defined(EIGEN_VECTORIZE_AVX)
+    using Eigen::internal::Packet8f;
+    using Eigen::internal::pcast;
+    using Eigen::internal::ploadu;
+    using Eigen::internal::pstoreu;
+    if constexpr (std::is_same<D, float>::value && std::is_same<S, bfloat16>::value) {
+      for (; i + 8 <= n; i += 8)
+        pstoreu(dst + i, pcast<Eigen::internal::Packet8bf, Packet8f>(
+                             ploadu<Eigen::internal::Packet8bf>(src + i)));
+    } else if constexpr (std::is_same<D, float>::value && std::is_same<S, half>::value) {
+      for (; i + 8 <= n; i += 8)
+        pstoreu(dst + i, pcast<Eigen::internal::Packet8h, Packet8f>(
+                             ploadu<Eigen::internal::Packet8h>(src + i)));
+    } else if constexpr (std::is_same<S, float>::value && std::is_same<D, bfloat16>::value) {
+      for (; i + 8 <= n; i += 8)
+        pstoreu(dst + i, pcast<Packet8f, Eigen::internal::Packet8bf>(ploadu<Packet8f>(src + i)));
+    } else if constexpr (std::is_same<S, float>::value && std::is_same<D, half>::value) {
+      for (; i + 8 <= n; i += 8)
+        pstoreu(dst + i, pcast<Packet8f, Eigen::internal::Packet8h>(ploadu<Packet8f>(src + i)));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<D>(src[i]);
+  }
+}
+
+/// The packet of compute type at p (unaligned) from P values stored as S:
+/// a plain load for S = C, Eigen's packet conversion from bfloat16 / half
+/// where the target has one (AVX-512: 16 at a time, AVX: 8), element by
+/// element otherwise.
+template <class Packet, class S>
+inline Packet pload_widened(const S* p) {
+  using C = typename Eigen::internal::unpacket_traits<Packet>::type;
+  using Eigen::internal::pcast;
+  using Eigen::internal::ploadu;
+  if constexpr (std::is_same<S, C>::value) {
+    return ploadu<Packet>(p);
+#if defined(EIGEN_VECTORIZE_AVX512)
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
+                       std::is_same<S, bfloat16>::value) {
+    return pcast<Eigen::internal::Packet16bf, Packet>(ploadu<Eigen::internal::Packet16bf>(p));
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
+                       std::is_same<S, half>::value) {
+    return pcast<Eigen::internal::Packet16h, Packet>(ploadu<Eigen::internal::Packet16h>(p));
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
+                       std::is_same<S, bfloat16>::value) {
+    return pcast<Eigen::internal::Packet8bf, Packet>(ploadu<Eigen::internal::Packet8bf>(p));
+  } else if constexpr ((std::is_same<C, float>::value &&
+                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
+                       std::is_same<S, half>::value) {
+    return pcast<Eigen::internal::Packet8h, Packet>(ploadu<Eigen::internal::Packet8h>(p));
+#endif
+  } else {
+    constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
+    alignas(64) C tmp[P];
+    for (int i = 0; i < P; ++i) tmp[i] = static_cast<C>(p[i]);
+    return Eigen::internal::pload<Packet>(tmp);
+  }
+}
+
+/// A row of n values of S as compute type C: the row itself when S is C,
+/// otherwise its conversion written to buf (n elements).
+template <class C, class S>
+inline const C* row_as(const S* row, index_t n, C* buf) {
+  if constexpr (std::is_same<S, C>::value) {
+    (void)n;
+    (void)buf;
+    return row;
+  } else {
+    convert_row(row, n, buf);
+    return buf;
+  }
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE

@@ -1,0 +1,604 @@
+// 16-bit storage (types.hpp): bfloat16 and half through the fused kernels
+// (tiled and decoding paths, varlen, KV caches: per-sequence lengths, paged,
+// split-KV), a float or double queries' kernel over a 16-bit cache, against
+// the float64 reference on the same rounded inputs.
+//
+// Error bound. The inputs are the 16-bit values themselves (exact in float
+// and double), so the float64 reference y is the exact result up to 1e-15. A
+// 16-bit kernel widens every input once (exactly) and runs the float kernel's
+// arithmetic, then rounds each output once to the storage type:
+//   out_S = round_S(out_f),  |round_S(x) - x| <= u_S |x|,
+// u_S = 2^-8 for bfloat16 (8 significand bits), 2^-11 for half (11 bits),
+// with out_f what the float kernel gives on the widened inputs. Hence, with
+// e_f = max|out_f - y| / max|y| the float accumulation error (itself bounded
+// as in test_attention.cpp: at most max(2 x the naive float error, 2e-5)),
+//   max|out_S - y| / max|y| <= u_S (1 + e_f) + e_f.
+// The tests check that bound, and, on the tiled path (6 or more queries per
+// sequence), the stronger statement it rests on: out_S is bitwise
+// round_S(out_f), and lse (kept in float, never rounded to S) is bitwise the
+// float kernel's. A decoding step (fewer than 6 queries) over a 16-bit cache
+// takes its dot products four query rows at a time (decode_kernel.hpp), in
+// another order than the float cache's path: there e_f is replaced by the
+// float kernel's bound itself, max(2 x naive float error, 2e-5).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <diffattn/attention.hpp>
+#include <diffattn/kvcache_attention.hpp>
+#include <diffattn/module.hpp>
+#include <diffattn/packed.hpp>
+#include <diffattn/reference.hpp>
+#include <diffattn/types.hpp>
+
+#include "attention_support.hpp"
+#include "support.hpp"
+
+using diffattn::AttentionOptions;
+using diffattn::bfloat16;
+using diffattn::half;
+using diffattn::index_t;
+using diffattn::KVCacheBatch;
+using diffattn::Tensor;
+using diffattn::TensorView;
+using test::cast;
+using test::random_tensor;
+using test::rel_error;
+
+namespace {
+
+/// Unit roundoff of the storage type.
+template <class S>
+constexpr double unit_roundoff() {
+  return std::is_same<S, bfloat16>::value ? 1.0 / 256 : 1.0 / 2048;
+}
+template <class S>
+const char* type_name() {
+  return std::is_same<S, bfloat16>::value ? "bfloat16" : "half";
+}
+
+enum class Kind { plain, v1, v2 };
+const char* name(Kind k) { return k == Kind::v1 ? "v1" : k == Kind::v2 ? "v2" : "plain"; }
+
+struct Shape {
+  index_t B, N, M, H, Hkv, d;  // H: DIFF heads (v1, v2) or query heads (plain)
+};
+
+struct Dims {
+  index_t qh, kh, vh, dv, oh;
+};
+Dims dims(Kind kind, index_t H, index_t Hkv, index_t d) {
+  switch (kind) {
+    case Kind::v1:
+      return {2 * H, 2 * Hkv, Hkv, 2 * d, H};
+    case Kind::v2:
+      return {2 * H, Hkv, Hkv, d, H};
+    default:
+      return {H, Hkv, Hkv, d + 3, H};
+  }
+}
+
+/// Inputs of one case in T (all from the same 16-bit values).
+template <class T>
+struct Inputs {
+  Tensor<T, 4> q, k, v;
+  Tensor<T, 3> logit;  // v2 (B, N, H)
+};
+
+template <class U, class T>
+Inputs<U> cast_inputs(const Inputs<T>& in) {
+  return {cast<U>(in.q), cast<U>(in.k), cast<U>(in.v), cast<U>(in.logit)};
+}
+
+template <class S>
+Inputs<S> make_inputs(Kind kind, const Shape& s, std::uint64_t seed, double sigma = 1.0) {
+  const Dims dm = dims(kind, s.H, s.Hkv, s.d);
+  Inputs<S> in;
+  in.q = cast<S>(random_tensor<float, 4>({s.B, s.N, dm.qh, s.d}, seed, sigma));
+  in.k = cast<S>(random_tensor<float, 4>({s.B, s.M, dm.kh, s.d}, seed + 1, sigma));
+  in.v = cast<S>(random_tensor<float, 4>({s.B, s.M, dm.vh, dm.dv}, seed + 2));
+  in.logit = cast<S>(random_tensor<float, 3>({s.B, s.N, s.H}, seed + 3, 2.0));
+  return in;
+}
+
+constexpr float kLambda = 0.7f;
+
+/// The fused kernel (Reference = false) or the reference of a kind, with
+/// storage T; q and out may be strided views.
+template <class T, bool Reference>
+void run(Kind kind, TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
+         TensorView<const T, 3> logit, TensorView<T, 4> out,
+         TensorView<diffattn::compute_t<T>, 3> lse, const AttentionOptions& o) {
+  using C = diffattn::compute_t<T>;
+  switch (kind) {
+    case Kind::v1:
+      if constexpr (Reference)
+        diffattn::reference::diff_attention_v1<T>(q, k, v, static_cast<C>(kLambda), out, lse, o);
+      else
+        diffattn::diff_attention_v1<T>(q, k, v, static_cast<C>(kLambda), out, lse, o);
+      break;
+    case Kind::v2:
+      if constexpr (Reference)
+        diffattn::reference::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+      else
+        diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+      break;
+    default:
+      if constexpr (Reference)
+        diffattn::reference::attention<T>(q, k, v, out, lse, o);
+      else
+        diffattn::attention<T>(q, k, v, out, lse, o);
+  }
+}
+
+/// A (B, N, H, D) tensor held in (B, H, N, D) memory: the strided view the
+/// kernels see, and a contiguous copy of what it holds.
+template <class T>
+struct Bhnd {
+  Tensor<T, 4> mem;  // (B, H, N, D)
+  explicit Bhnd(const std::array<index_t, 4>& s) : mem({s[0], s[2], s[1], s[3]}) {}
+  TensorView<T, 4> view() {
+    const auto& m = mem.shape();
+    return TensorView<T, 4>(mem.data(), {m[0], m[2], m[1], m[3]},
+                            {m[1] * m[2] * m[3], m[3], m[2] * m[3], 1});
+  }
+  void load(const Tensor<T, 4>& t) {
+    auto w = view();
+    for (index_t b = 0; b < t.shape(0); ++b)
+      for (index_t i = 0; i < t.shape(1); ++i)
+        for (index_t h = 0; h < t.shape(2); ++h)
+          for (index_t c = 0; c < t.shape(3); ++c) w(b, i, h, c) = t(b, i, h, c);
+  }
+  Tensor<T, 4> contiguous() {
+    auto w = view();
+    Tensor<T, 4> t(w.shape());
+    for (index_t b = 0; b < t.shape(0); ++b)
+      for (index_t i = 0; i < t.shape(1); ++i)
+        for (index_t h = 0; h < t.shape(2); ++h)
+          for (index_t c = 0; c < t.shape(3); ++c) t(b, i, h, c) = w(b, i, h, c);
+    return t;
+  }
+};
+
+/// out_S against the float kernel and the float64 reference (see the header
+/// comment); lse against both.
+template <class S>
+void check_results(const Tensor<S, 4>& out_s, const Tensor<float, 3>& lse_s,
+                   const Tensor<float, 4>& out_f, const Tensor<float, 3>& lse_f,
+                   const Tensor<float, 4>& naive_f, const Tensor<double, 4>& ref,
+                   const Tensor<double, 3>& lse_ref, bool bitwise) {
+  if (bitwise) {
+    REQUIRE(test::bitwise_equal(out_s, cast<S>(out_f)));
+    REQUIRE(test::bitwise_equal(lse_s, lse_f));
+  }
+  const double naive = rel_error(naive_f, ref), float_bound = std::max(2 * naive, 2e-5);
+  const double e_f = bitwise ? rel_error(out_f, ref) : float_bound;
+  const double e_s = rel_error(out_s, ref), u = unit_roundoff<S>();
+  INFO(type_name<S>() << " error " << e_s << ", float " << e_f << ", naive float " << naive);
+  REQUIRE(rel_error(out_f, ref) <= float_bound);
+  REQUIRE(e_s <= u * (1 + e_f) + e_f);
+  for (index_t i = 0; i < lse_ref.size(); ++i) {
+    const double want = lse_ref.data()[i];
+    if (std::isinf(want))
+      REQUIRE(lse_s.data()[i] == static_cast<float>(want));
+    else
+      REQUIRE(std::abs(lse_s.data()[i] - want) <= 1e-5 * (1 + std::abs(want)));
+  }
+}
+
+/// One forward case in storage S: fused<S> (optionally through (B, H, N, D)
+/// views of q and out), fused<float> and reference<float> on the widened
+/// inputs, reference<double>.
+template <class S>
+void check_forward(Kind kind, const Shape& s, AttentionOptions o, std::uint64_t seed,
+                   bool strided = false, double sigma = 1.0) {
+  INFO(type_name<S>() << " " << name(kind) << " B=" << s.B << " N=" << s.N << " M=" << s.M
+                      << " H=" << s.H << " Hkv=" << s.Hkv << " d=" << s.d << " causal=" << o.causal
+                      << " window_left=" << o.window_left << " strided=" << strided);
+  const Dims dm = dims(kind, s.H, s.Hkv, s.d);
+  const Inputs<S> xs = make_inputs<S>(kind, s, seed, sigma);
+  const Inputs<float> xf = cast_inputs<float>(xs);
+  const Inputs<double> xd = cast_inputs<double>(xs);
+  const std::array<index_t, 4> os = {s.B, s.N, dm.oh, dm.dv};
+  const std::array<index_t, 3> ls = {s.B, dm.qh, s.N};
+  Tensor<S, 4> out_s(os);
+  Tensor<float, 4> out_f(os), naive_f(os);
+  Tensor<double, 4> ref(os);
+  Tensor<float, 3> lse_s(ls), lse_f(ls), lse_naive(ls);
+  Tensor<double, 3> lse_ref(ls);
+  if (strided) {
+    Bhnd<S> q(xs.q.shape()), out(os);
+    q.load(xs.q);
+    run<S, false>(kind, q.view(), xs.k, xs.v, xs.logit, out.view(), lse_s, o);
+    out_s = out.contiguous();
+  } else {
+    run<S, false>(kind, xs.q, xs.k, xs.v, xs.logit, out_s, lse_s, o);
+  }
+  run<float, false>(kind, xf.q, xf.k, xf.v, xf.logit, out_f, lse_f, o);
+  run<float, true>(kind, xf.q, xf.k, xf.v, xf.logit, naive_f, lse_naive, o);
+  run<double, true>(kind, xd.q, xd.k, xd.v, xd.logit, ref, lse_ref, o);
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6);
+}
+
+AttentionOptions opts(bool causal, index_t window_left = -1) {
+  AttentionOptions o;
+  o.causal = causal;
+  o.window_left = window_left;
+  return o;
+}
+
+/// Every shape family of test_attention.cpp for storage S.
+template <class S>
+void forward_families(std::uint64_t seed) {
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    const index_t pair = kind == Kind::v2 ? 2 : 1;  // V2: a pair shares its kv head
+    // Sizes that are not tile multiples, with and without the causal mask.
+    for (index_t n : {1, 7, 113, 129})
+      for (bool causal : {false, true})
+        check_forward<S>(kind, {1, n, n, 2, 1, 8}, opts(causal), seed += 10);
+    // N != M: causal with an offset (N < M, decoding and tiled), masked rows (N > M).
+    check_forward<S>(kind, {2, 19, 23, 2, 2 / pair, 5}, opts(true), seed += 10);
+    check_forward<S>(kind, {2, 5, 37, 2, 1, 8}, opts(true), seed += 10);
+    check_forward<S>(kind, {1, 40, 9, 1, 1, 4}, opts(true), seed += 10);
+    check_forward<S>(kind, {1, 17, 29, 2, 2 / pair, 8}, opts(false), seed += 10);
+    // GQA ratios 1, 2, 4 (query heads per kv head; V2 counts query heads too).
+    for (index_t ratio : {1, 2, 4}) {
+      if (kind == Kind::v2 && ratio == 1) continue;
+      const index_t Hkv = 2, H = kind == Kind::v2 ? Hkv * ratio / 2 : Hkv * ratio;
+      check_forward<S>(kind, {1, 31, 31, H, Hkv, 16}, opts(true), seed += 10);
+    }
+    // Strided (B, H, N, D) q and out.
+    check_forward<S>(kind, {2, 23, 23, 2, 2 / pair, 8}, opts(true), seed += 10, true);
+    check_forward<S>(kind, {2, 3, 23, 2, 2 / pair, 8}, opts(false), seed += 10, true);
+    // Sliding windows, tiled and decoding.
+    check_forward<S>(kind, {1, 129, 129, 2, 1, 8}, opts(true, 16), seed += 10);
+    check_forward<S>(kind, {1, 3, 70, 2, 1, 8}, opts(true, 20), seed += 10);
+    // Large logits: the max shift in float.
+    check_forward<S>(kind, {1, 17, 21, 1, 1, 8}, opts(true), seed += 10, false, 6.0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bfloat16 storage: every shape family against the float64 reference", "[half]") {
+  forward_families<bfloat16>(71000);
+}
+
+TEST_CASE("half storage: every shape family against the float64 reference", "[half]") {
+  forward_families<half>(72000);
+}
+
+TEST_CASE("16-bit varlen batches equal the float kernel rounded once", "[half][varlen]") {
+  const auto seqs = diffattn::PackedSequences::from_lengths({5, 0, 70, 1, 13});
+  const index_t T = 89, H = 2, d = 8;
+  const auto q = cast<bfloat16>(random_tensor<float, 3>({T, 2 * H, d}, 73001));
+  const auto k = cast<bfloat16>(random_tensor<float, 3>({T, H, d}, 73002));
+  const auto v = cast<bfloat16>(random_tensor<float, 3>({T, H, d}, 73003));
+  const auto logit = cast<bfloat16>(random_tensor<float, 2>({T, H}, 73004));
+  Tensor<bfloat16, 3> out({T, H, d});
+  Tensor<float, 3> out_f({T, H, d});
+  Tensor<float, 2> lse({2 * H, T}), lse_f({2 * H, T});
+  const auto o = opts(true);
+  diffattn::diff_attention_v2_varlen<bfloat16>(q, k, v, logit, out, lse, seqs, o);
+  diffattn::diff_attention_v2_varlen<float>(cast<float>(q), cast<float>(k), cast<float>(v),
+                                            cast<float>(logit), out_f, lse_f, seqs, o);
+  REQUIRE(test::bitwise_equal(out, cast<bfloat16>(out_f)));
+  REQUIRE(test::bitwise_equal(lse, lse_f));
+}
+
+namespace {
+
+/// Contiguous caches (B, capacity, H, D) copied into a scrambled pool of
+/// blocks of bs rows (as test_decode.cpp does).
+template <class T>
+struct Paged {
+  Tensor<T, 4> k, v;
+  Tensor<index_t, 2> table;
+};
+template <class T>
+Paged<T> make_paged(const Tensor<T, 4>& k, const Tensor<T, 4>& v, index_t bs) {
+  const index_t B = k.shape(0), cap = k.shape(1), per = (cap + bs - 1) / bs;
+  const index_t blocks = B * per + 3;
+  Paged<T> p{Tensor<T, 4>({blocks, bs, k.shape(2), k.shape(3)}),
+             Tensor<T, 4>({blocks, bs, v.shape(2), v.shape(3)}), Tensor<index_t, 2>({B, per})};
+  std::vector<index_t> ids(static_cast<std::size_t>(blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  for (std::size_t i = 0; i < ids.size(); ++i) std::swap(ids[i], ids[(i * 7919 + 13) % ids.size()]);
+  std::size_t next = 0;
+  for (index_t b = 0; b < B; ++b) {
+    for (index_t blk = 0; blk < per; ++blk) p.table(b, blk) = ids[next++];
+    for (index_t j = 0; j < cap; ++j) {
+      const index_t id = p.table(b, j / bs);
+      for (index_t h = 0; h < k.shape(2); ++h)
+        for (index_t t = 0; t < k.shape(3); ++t) p.k(id, j % bs, h, t) = k(b, j, h, t);
+      for (index_t h = 0; h < v.shape(2); ++h)
+        for (index_t t = 0; t < v.shape(3); ++t) p.v(id, j % bs, h, t) = v(b, j, h, t);
+    }
+  }
+  return p;
+}
+
+/// The kvcache kernel of a kind: queries T, caches KV.
+template <class T, class KV>
+void run_kvcache(Kind kind, const Inputs<T>& in, TensorView<const KV, 4> k,
+                 TensorView<const KV, 4> v, const KVCacheBatch& cache, Tensor<T, 4>& out,
+                 Tensor<diffattn::compute_t<T>, 3>& lse, const AttentionOptions& o) {
+  using C = diffattn::compute_t<T>;
+  switch (kind) {
+    case Kind::v1:
+      diffattn::diff_attention_v1_kvcache<T, KV>(in.q, k, v, static_cast<C>(kLambda), out, lse,
+                                                 cache, o);
+      break;
+    case Kind::v2:
+      diffattn::diff_attention_v2_kvcache<T, KV>(in.q, k, v, in.logit, out, lse, cache, o);
+      break;
+    default:
+      diffattn::attention_kvcache<T, KV>(in.q, k, v, out, lse, cache, o);
+  }
+}
+
+/// Batch entry b, rows [0, len) of a (B, L, H, D) tensor as (1, len, H, D).
+template <class T>
+TensorView<T, 4> entry(const Tensor<T, 4>& t, index_t b, index_t len) {
+  return TensorView<T, 4>(const_cast<T*>(t.data()) + b * t.view().stride(0),
+                          {1, len, t.shape(2), t.shape(3)},
+                          {t.view().stride(0), t.view().stride(1), t.view().stride(2), 1});
+}
+template <class T>
+TensorView<T, 3> entry(const Tensor<T, 3>& t, index_t b) {
+  return TensorView<T, 3>(const_cast<T*>(t.data()) + b * t.view().stride(0),
+                          {1, t.shape(1), t.shape(2)}, {t.view().stride(0), t.view().stride(1), 1});
+}
+
+/// A batch of caches in storage S with per-sequence lengths: S queries and
+/// S caches (contiguous, paged, split-KV) against the float64 reference on
+/// each sequence's slice; float and double queries over the S cache equal
+/// their own kernel on the widened cache, bitwise.
+template <class S>
+void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, index_t capacity,
+                   const std::vector<index_t>& lengths, AttentionOptions o, std::uint64_t seed) {
+  const index_t B = static_cast<index_t>(lengths.size());
+  INFO(type_name<S>() << " kvcache " << name(kind) << " n=" << n << " H=" << H << " Hkv=" << Hkv
+                      << " cap=" << capacity << " causal=" << o.causal
+                      << " window_left=" << o.window_left);
+  const Dims dm = dims(kind, H, Hkv, d);
+  const Inputs<S> xs = make_inputs<S>(kind, {B, n, capacity, H, Hkv, d}, seed);
+  const Inputs<float> xf = cast_inputs<float>(xs);
+  const Inputs<double> xd = cast_inputs<double>(xs);
+  Tensor<index_t, 1> seqlens({B});
+  std::copy(lengths.begin(), lengths.end(), seqlens.data());
+  KVCacheBatch cache;
+  cache.cache_seqlens = seqlens;
+  const std::array<index_t, 4> os = {B, n, dm.oh, dm.dv};
+  const std::array<index_t, 3> ls = {B, dm.qh, n};
+
+  // Reference and naive float, each sequence on its own slice.
+  Tensor<double, 4> ref(os);
+  Tensor<double, 3> lse_ref(ls);
+  Tensor<float, 4> naive_f(os);
+  Tensor<float, 3> lse_naive(ls);
+  for (index_t b = 0; b < B; ++b) {
+    const index_t m = lengths[static_cast<std::size_t>(b)];
+    run<double, true>(kind, entry(xd.q, b, n), entry(xd.k, b, m), entry(xd.v, b, m),
+                      entry(xd.logit, b), entry(ref, b, n), entry(lse_ref, b), o);
+    run<float, true>(kind, entry(xf.q, b, n), entry(xf.k, b, m), entry(xf.v, b, m),
+                     entry(xf.logit, b), entry(naive_f, b, n), entry(lse_naive, b), o);
+  }
+  Tensor<float, 4> out_f(os);
+  Tensor<float, 3> lse_f(ls);
+  run_kvcache<float, float>(kind, xf, xf.k, xf.v, cache, out_f, lse_f, o);
+  Tensor<S, 4> out_s(os);
+  Tensor<float, 3> lse_s(ls);
+  run_kvcache<S, S>(kind, xs, xs.k, xs.v, cache, out_s, lse_s, o);
+  const bool tiled = n >= 6;  // decoding steps order their sums differently (see the top)
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, tiled);
+
+  // Paged S caches: bitwise the contiguous result.
+  for (index_t bs : {index_t(1), index_t(5), index_t(16)}) {
+    INFO("block_size " << bs);
+    const Paged<S> pg = make_paged(xs.k, xs.v, bs);
+    KVCacheBatch paged = cache;
+    paged.block_table = pg.table;
+    Tensor<S, 4> out_p(os);
+    Tensor<float, 3> lse_p(ls);
+    run_kvcache<S, S>(kind, xs, pg.k, pg.v, paged, out_p, lse_p, o);
+    REQUIRE(test::bitwise_equal(out_p, out_s));
+    REQUIRE(test::bitwise_equal(lse_p, lse_s));
+  }
+
+  // Split-KV in small chunks: the float kernel's split result rounded once.
+  {
+    KVCacheBatch split = cache;
+    split.split_keys = 7;
+    Tensor<S, 4> out_sp(os);
+    Tensor<float, 4> out_fp(os);
+    Tensor<float, 3> lse_sp(ls), lse_fp(ls);
+    run_kvcache<S, S>(kind, xs, xs.k, xs.v, split, out_sp, lse_sp, o);
+    run_kvcache<float, float>(kind, xf, xf.k, xf.v, split, out_fp, lse_fp, o);
+    check_results(out_sp, lse_sp, out_fp, lse_fp, naive_f, ref, lse_ref, tiled);
+  }
+
+  // Float queries over the S cache: never rounded; the float kernel on the
+  // widened cache, bitwise on the tiled path, within the float kernel's own
+  // error bound of the float64 result when decoding. Double queries alike.
+  {
+    const Inputs<float> qf =
+        cast_inputs<float>(make_inputs<float>(kind, {B, n, 1, H, Hkv, d}, seed + 7));
+    Inputs<float> mixed = xf;
+    mixed.q = qf.q;
+    mixed.logit = qf.logit;
+    Tensor<float, 4> out_m(os), out_w(os);
+    Tensor<float, 3> lse_m(ls), lse_w(ls);
+    run_kvcache<float, S>(kind, mixed, xs.k, xs.v, cache, out_m, lse_m, o);
+    run_kvcache<float, float>(kind, mixed, xf.k, xf.v, cache, out_w, lse_w, o);
+    const Inputs<double> md = cast_inputs<double>(mixed);
+    Tensor<double, 4> out_md(os), out_wd(os);
+    Tensor<double, 3> lse_md(ls), lse_wd(ls);
+    run_kvcache<double, S>(kind, md, xs.k, xs.v, cache, out_md, lse_md, o);
+    run_kvcache<double, double>(kind, md, xd.k, xd.v, cache, out_wd, lse_wd, o);
+    if (tiled) {
+      REQUIRE(test::bitwise_equal(out_m, out_w));
+      REQUIRE(test::bitwise_equal(lse_m, lse_w));
+      REQUIRE(test::bitwise_equal(out_md, out_wd));
+      REQUIRE(test::bitwise_equal(lse_md, lse_wd));
+    } else {
+      REQUIRE(rel_error(out_md, out_wd) < 1e-12);
+      const double e_w = rel_error(out_w, out_wd);
+      INFO("float queries over the cache: " << rel_error(out_m, out_wd) << ", float cache " << e_w);
+      REQUIRE(rel_error(out_m, out_wd) <= std::max(2 * e_w, 2e-5));
+      for (index_t i = 0; i < lse_w.size(); ++i) {
+        const double want = lse_wd.data()[i];
+        if (std::isinf(want)) {
+          REQUIRE(lse_m.data()[i] == static_cast<float>(want));
+          REQUIRE(lse_md.data()[i] == want);
+        } else {
+          REQUIRE(std::abs(lse_m.data()[i] - want) <= 1e-5 * (1 + std::abs(want)));
+          REQUIRE(std::abs(lse_md.data()[i] - want) <= 1e-12 * (1 + std::abs(want)));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("16-bit KV caches: decoding, prefill chunks, paged, split-KV", "[half][kvcache]") {
+  std::uint64_t seed = 74000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    const index_t H = kind == Kind::v2 ? 2 : 4;
+    for (index_t n : {1, 3, 9}) {  // decoding path (< 6) and tiled path
+      check_kvcache<bfloat16>(kind, n, H, 2, 8, 50, {50, 13, 0, 29}, opts(true), seed += 10);
+      check_kvcache<bfloat16>(kind, n, H, 2, 8, 50, {50, 13, 9, 29}, opts(true, 6), seed += 10);
+      check_kvcache<half>(kind, n, H, 2, 8, 50, {50, 13, 0, 29}, opts(false), seed += 10);
+    }
+  }
+  // Longer than the default split (1024 keys).
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    check_kvcache<bfloat16>(kind, 1, 2, 1, 8, 3000, {3000, 1025}, opts(true), seed += 10);
+}
+
+TEST_CASE("16-bit storage: bad input names the function and the argument", "[half][errors]") {
+  const auto q = cast<bfloat16>(random_tensor<float, 4>({1, 4, 2, 8}, 75001));
+  const auto k = cast<bfloat16>(random_tensor<float, 4>({1, 6, 2, 8}, 75002));
+  const auto v = cast<bfloat16>(random_tensor<float, 4>({1, 6, 1, 16}, 75003));
+  Tensor<bfloat16, 4> out({1, 4, 1, 8});  // should be (1, 4, 1, 16)
+  test::require_error(
+      [&] {
+        diffattn::diff_attention_v1<bfloat16>(q, k, v, 0.5f, out, TensorView<float, 3>(), {});
+      },
+      {"diff_attention_v1", "out", "(1, 4, 1, 16)"});
+  Tensor<bfloat16, 4> good({1, 4, 1, 16});
+  Tensor<float, 3> lse({1, 2, 5});
+  test::require_error([&] { diffattn::diff_attention_v1<bfloat16>(q, k, v, 0.5f, good, lse, {}); },
+                      {"diff_attention_v1", "lse", "(1, 2, 4)"});
+  test::require_error(
+      [&] {
+        diffattn::diff_attention_v1<bfloat16>(q, k, v, std::numeric_limits<float>::infinity(), good,
+                                              TensorView<float, 3>(), {});
+      },
+      {"diff_attention_v1", "lambda"});
+}
+
+namespace {
+
+/// Tokens [a, a + n) of x (B, N, E).
+template <class T>
+TensorView<const T, 3> tokens(const Tensor<T, 3>& x, index_t a, index_t n) {
+  const auto& s = x.shape();
+  return TensorView<const T, 3>(x.data() + a * s[2], {s[0], n, s[2]}, {s[1] * s[2], s[2], 1});
+}
+
+/// max |y - full| over the tokens [a, a + n) of full, and max |full| there.
+template <class T>
+std::pair<double, double> diff_max(const Tensor<T, 3>& y, const Tensor<T, 3>& full, index_t a) {
+  double num = 0, den = 0;
+  for (index_t b = 0; b < y.shape(0); ++b)
+    for (index_t i = 0; i < y.shape(1); ++i)
+      for (index_t e = 0; e < y.shape(2); ++e) {
+        const double want = full(b, a + i, e);
+        num = std::max(num, std::abs(double(y(b, i, e)) - want));
+        den = std::max(den, std::abs(want));
+      }
+  return {num, den};
+}
+
+/// A float layer with a cache of S: prefill then decoding against forward on
+/// the whole sequence (float, nothing rounded).
+///
+/// Bound. Only the cached keys and values are rounded, each once, relative
+/// u = unit_roundoff<S>(). To first order a score s = scale q.k moves by at
+/// most u scale sum_t |q_t k_t| <= u S (S: the largest such sum), a softmax
+/// row by at most 2 u S in l1, so an attention output row by at most
+/// (1 + |lambda|)(2 S + 1) u max|v|. RMSNorm per head and the output
+/// projection are Lipschitz with constants of order 1 on these activations.
+/// With inputs of sigma 0.5, the layers' initial weights and d = 8..16, S < 1
+/// and |lambda| < 0.8, so (1 + |lambda|)(2 S + 1) < 5.4: the tolerance is
+/// 8 u relative to max|y| (plus the float cache's own 1e-5). Measured: at
+/// most 1.1 u (bfloat16 and half).
+template <class S, class Layer>
+void check_layer_cache(Layer& m, const std::vector<index_t>& chunks, std::uint64_t seed) {
+  index_t total = 0;
+  for (index_t c : chunks) total += c;
+  const index_t B = 2, E = m.config().embed_dim;
+  const Tensor<float, 3> x = random_tensor<float, 3>({B, total, E}, seed, 0.5);
+  const Tensor<float, 3> full = m.forward(x);
+  auto cache = m.template make_cache<S>(B, total + 3);
+  static_assert(std::is_same<decltype(cache), diffattn::KVCache<S>>::value, "a cache of S");
+  auto cache_f = m.make_cache(B, total + 3);
+  REQUIRE(cache.bytes() * 2 == cache_f.bytes());
+  const double tol = 8 * unit_roundoff<S>() + 1e-5;
+  double worst = 0;
+  index_t a = 0;
+  for (index_t c : chunks) {
+    INFO(type_name<S>() << " cache, chunk of " << c << " at " << a);
+    const Tensor<float, 3> y = m.forward(tokens(x, a, c), cache);
+    const auto dm = diff_max(y, full, a);
+    worst = std::max(worst, dm.first / dm.second);
+    CHECK(dm.first <= tol * dm.second);
+    a += c;
+    CHECK(cache.size() == a);
+  }
+  INFO("largest relative difference " << worst << " (tolerance " << tol << ")");
+  CHECK(worst > 0);  // the cache is rounded: not the float result
+}
+
+std::vector<index_t> prefill_then_decode(index_t prefill, index_t decode) {
+  std::vector<index_t> c = {prefill};
+  for (index_t i = 0; i < decode; ++i) c.push_back(1);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("layers keep 16-bit KV caches under float queries", "[half][layers]") {
+  std::uint64_t seed = 76000;
+  for (index_t hkv : {2, 1}) {
+    diffattn::DiffAttnV1Config c1;
+    c1.embed_dim = 32;
+    c1.num_heads = 2;
+    c1.num_kv_heads = hkv;
+    c1.depth = 3;
+    diffattn::MultiheadDiffAttnV1<float> m1(c1, seed++);
+    check_layer_cache<bfloat16>(m1, prefill_then_decode(13, 12), seed++);
+    check_layer_cache<half>(m1, {1, 1, 70, 5, 1, 2}, seed++);
+    diffattn::DiffAttnV2Config c2;
+    c2.embed_dim = 24;
+    c2.num_heads = 2;
+    c2.num_kv_heads = hkv;
+    diffattn::MultiheadDiffAttnV2<float> m2(c2, seed++);
+    check_layer_cache<bfloat16>(m2, prefill_then_decode(9, 15), seed++);
+    check_layer_cache<bfloat16>(m2, {64, 3, 1}, seed++);
+  }
+  // A window: the 16-bit cache moves its kept rows like a float one.
+  diffattn::DiffAttnV1Config cw;
+  cw.embed_dim = 32;
+  cw.num_heads = 2;
+  cw.num_kv_heads = 1;
+  cw.window_left = 3;
+  diffattn::MultiheadDiffAttnV1<float> mw(cw, seed++);
+  check_layer_cache<bfloat16>(mw, prefill_then_decode(7, 30), seed++);
+}
