@@ -137,6 +137,7 @@ void decode_sizes(benchmark::internal::Benchmark* b) {
   for (long m : {4096, 32768, 131072}) b->Args({m, 1, 2});
   b->Args({4096, 8, 2});
   b->Args({4096, 1, 1});
+  b->Args({32768, 1, 1});
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 

@@ -79,133 +79,77 @@ DecodeChunks decode_chunks(const AttentionProblem<T, KV>& p, const SeqSpan& sq) 
   return {kb, ke, p.split_keys, (keys + p.split_keys - 1) / p.split_keys};
 }
 
-/// Dot products of one key row k (stored as S, widened once per packet)
-/// with R query rows q + i qstep: out[i ostep] = q_i . k for i < R. R is a
+/// Partial dot products of one key row k (stored as S, widened once per
+/// packet) with R query rows q + i qstep over the first dp features (dp a
+/// multiple of the packet size P): the packet whose lanes sum to q_i . k,
+/// stored unreduced at part + i pstep. reduce_keys sums the lanes of P keys'
+/// packets at once, so no (row, key) pair pays for a horizontal sum. R is a
 /// constant so that the accumulators stay in registers.
 template <int R, class C, class S>
-EIGEN_ALWAYS_INLINE void dot_rows_n(const S* k, index_t d, const C* q, index_t qstep, C* out,
-                                    index_t ostep) {
+EIGEN_ALWAYS_INLINE void partial_dots_n(const S* k, index_t dp, const C* q, index_t qstep,
+                                        C* part, index_t pstep) {
   using Packet = typename TileConfig<C>::Packet;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
-  using Eigen::internal::predux;
   using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
   constexpr index_t P = TileConfig<C>::kPacket;
   Packet acc[R];
   for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
-  index_t t = 0;
-  for (; t + P <= d; t += P) {
+  for (index_t t = 0; t < dp; t += P) {
     const Packet kp = pload_widened<Packet>(k + t);
     for (int i = 0; i < R; ++i) acc[i] = pmadd(ploadu<Packet>(q + i * qstep + t), kp, acc[i]);
   }
-  for (int i = 0; i < R; ++i) {
-    C sum = predux(acc[i]);
-    for (index_t u = t; u < d; ++u) sum += q[i * qstep + u] * static_cast<C>(k[u]);
-    out[i * ostep] = sum;
-  }
+  for (int i = 0; i < R; ++i) pstoreu(part + i * pstep, acc[i]);
 }
 
-/// dot_rows_n over `rows` query rows, four at a time. The narrow-cache path
-/// of decode_states.
+/// partial_dots_n over `rows` query rows, four at a time.
 template <class C, class S>
-EIGEN_ALWAYS_INLINE void dot_rows(const S* k, index_t d, const C* q, index_t qstep, C* out,
-                                  index_t ostep, index_t rows) {
+EIGEN_ALWAYS_INLINE void partial_dots(const S* k, index_t dp, const C* q, index_t qstep, C* part,
+                                      index_t pstep, index_t rows) {
   index_t i = 0;
-  for (; i + 4 <= rows; i += 4) dot_rows_n<4>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+  for (; i + 4 <= rows; i += 4)
+    partial_dots_n<4>(k, dp, q + i * qstep, qstep, part + i * pstep, pstep);
   switch (rows - i) {
     case 1:
-      return dot_rows_n<1>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+      return partial_dots_n<1>(k, dp, q + i * qstep, qstep, part + i * pstep, pstep);
     case 2:
-      return dot_rows_n<2>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+      return partial_dots_n<2>(k, dp, q + i * qstep, qstep, part + i * pstep, pstep);
     case 3:
-      return dot_rows_n<3>(k, d, q + i * qstep, qstep, out + i * ostep, ostep);
+      return partial_dots_n<3>(k, dp, q + i * qstep, qstep, part + i * pstep, pstep);
     default:
       return;
   }
 }
 
-/// Scores of one query row q against P consecutive keys (P the packet
-/// size), key jj at krows[jj] (stored as S, widened once per packet):
-/// out[jj] = q . k_jj. One accumulator per key, reduced by one transpose
-/// (ptranspose) instead of P horizontal sums.
+/// out[jj] = the sum of the lanes of the packet at part + jj P, for the P
+/// keys jj < P of a block: one transpose (ptranspose) and P - 1 additions
+/// for P scores, instead of P horizontal sums.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // PacketBlock of a vector type
 #endif
-template <class C, class S>
-EIGEN_ALWAYS_INLINE void dot_keys(const C* q, const S* const* krows, index_t d, C* out) {
+template <class C>
+EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
   using Packet = typename TileConfig<C>::Packet;
   using Eigen::internal::padd;
   using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
   using Eigen::internal::pstoreu;
   constexpr int P = TileConfig<C>::kPacket;
-  Eigen::internal::PacketBlock<Packet, P> acc;
-  for (int jj = 0; jj < P; ++jj) acc.packet[jj] = pset1<Packet>(C(0));
-  index_t t = 0;
-  for (; t + P <= d; t += P) {
-    const Packet qp = ploadu<Packet>(q + t);
-    for (int jj = 0; jj < P; ++jj)
-      acc.packet[jj] = pmadd(pload_widened<Packet>(krows[jj] + t), qp, acc.packet[jj]);
+  if constexpr (P == 1) {
+    out[0] = part[0];
+  } else {
+    Eigen::internal::PacketBlock<Packet, P> b;
+    for (int jj = 0; jj < P; ++jj) b.packet[jj] = ploadu<Packet>(part + jj * P);
+    Eigen::internal::ptranspose(b);
+    Packet sum = b.packet[0];
+    for (int jj = 1; jj < P; ++jj) sum = padd(sum, b.packet[jj]);
+    pstoreu(out, sum);
   }
-  Eigen::internal::ptranspose(acc);
-  Packet sum = acc.packet[0];
-  for (int jj = 1; jj < P; ++jj) sum = padd(sum, acc.packet[jj]);
-  pstoreu(out, sum);
-  for (; t < d; ++t)
-    for (int jj = 0; jj < P; ++jj) out[jj] += q[t] * static_cast<C>(krows[jj][t]);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-
-/// o + i ostep += sum_jj w[i wstep + jj] v_jj over P consecutive keys (P the
-/// packet size) for i < R, value jj at vrows[jj] (stored as S): the output
-/// rows are loaded and stored once per block of keys, not once per key.
-template <int R, class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t dv, C* o, index_t ostep,
-                                     const C* w, index_t wstep) {
-  using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
-  constexpr int P = TileConfig<C>::kPacket;
-  index_t t = 0;
-  for (; t + P <= dv; t += P) {
-    Packet acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = ploadu<Packet>(o + i * ostep + t);
-    for (int jj = 0; jj < P; ++jj) {
-      const Packet vp = pload_widened<Packet>(vrows[jj] + t);
-      for (int i = 0; i < R; ++i) acc[i] = pmadd(pset1<Packet>(w[i * wstep + jj]), vp, acc[i]);
-    }
-    for (int i = 0; i < R; ++i) pstoreu(o + i * ostep + t, acc[i]);
-  }
-  for (; t < dv; ++t)
-    for (int i = 0; i < R; ++i)
-      for (int jj = 0; jj < P; ++jj)
-        o[i * ostep + t] += w[i * wstep + jj] * static_cast<C>(vrows[jj][t]);
-}
-
-/// axpy_keys_n over `rows` rows, four at a time.
-template <class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t dv, C* o, index_t ostep,
-                                   const C* w, index_t wstep, index_t rows) {
-  index_t i = 0;
-  for (; i + 4 <= rows; i += 4)
-    axpy_keys_n<4>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
-  switch (rows - i) {
-    case 1:
-      return axpy_keys_n<1>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
-    case 2:
-      return axpy_keys_n<2>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
-    case 3:
-      return axpy_keys_n<3>(vrows, dv, o + i * ostep, ostep, w + i * wstep, wstep);
-    default:
-      return;
-  }
-}
 
 /// o + i ostep += w[i wstep] v for i < R, v (stored as S) loaded and widened
 /// once per packet for every row.
@@ -250,23 +194,50 @@ EIGEN_ALWAYS_INLINE void axpy_rows(const S* v, index_t dv, C* o, index_t ostep, 
   }
 }
 
+/// How far ahead of the row being read a decoding step asks for the cache's
+/// rows, into L2 (a prefetch with locality 1), when two or more query rows
+/// read each head. The hardware prefetcher alone then keeps too few lines in
+/// flight: on Zen 4, 2 threads, M = 32k, V2 took 1.31x the time of GQA with
+/// one row per head without it, 1.11-1.18x with it. With one row per head
+/// the prefetch measured slower (V1's keys, GQA 8q/8kv), as did nearer
+/// distances (8-64 KiB) and prefetching into L1.
+constexpr index_t kDecodeAheadBytes = index_t(128) << 10;
+
+/// Asks for the `width` values at p to be brought into L2.
+template <class T>
+inline void prefetch_row_l2(const T* p, index_t width) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = reinterpret_cast<const char*>(p);
+  const index_t bytes = width * static_cast<index_t>(sizeof(T));
+  for (index_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+#else
+  (void)p;
+  (void)width;
+#endif
+}
+
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
-/// zeros for a row that sees none of them. Key by key, every kv group's heads
-/// of that key: a cache laid out (.., M, H, D) is read front to back.
+/// zeros for a row that sees none of them.
 ///
-/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>. A row
-/// stored narrower than C (a 16-bit cache) is widened packet by packet as it
-/// is read, for up to four query rows of its group at once (dot_rows,
-/// axpy_rows): with half the bytes to read, the step would otherwise be
-/// bound by the per-row work rather than by memory.
+/// The step reads each K and V row once and is bound by memory, so its
+/// shape follows the memory: key after key, every kv group's heads of that
+/// key, so that a cache laid out (.., M, H, D) is read front to back as one
+/// stream (reading a block of keys head by head instead defeats the
+/// hardware prefetcher: measured 20-25% slower). The work per (row, key) pair
+/// is kept to its FMAs: a score is a packet of partial sums (partial_dots,
+/// the key widened once for up to four rows) whose lanes are summed P keys at
+/// a time (reduce_keys); a value row is widened once and added to up to four
+/// output rows (axpy_rows).
+///
+/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>.
 template <class T, class KV, class C>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
-  using RowMap = Eigen::Map<const Eigen::Matrix<C, 1, Eigen::Dynamic>>;
   using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
+  constexpr index_t P = TileConfig<C>::kPacket;
   const index_t n = dl.n, d = p.head_dim, dv = p.value_dim, R = dl.rows();
+  const index_t dp = d / P * P;  // features in whole packets; the rest [dp, d) one by one
   const BlockRows br{p.band, sq.n, sq.m, 0, n};
   // Keys of this chunk that query ii sees: [rb[ii], re[ii]) (at most kMR queries).
   index_t rb[TileConfig<C>::kMR], re[TileConfig<C>::kMR];
@@ -275,13 +246,12 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     re[ii] = std::max(rb[ii], std::min(hi, br.end(ii)));
   }
   const index_t jlo = rb[0], jhi = std::max(jlo, re[n - 1]);
-  const index_t lds = std::max<index_t>(jhi - jlo, 1);
+  const index_t lds = round_up(std::max<index_t>(jhi - jlo, 1), P);
   const index_t ksh = p.k.stride(2), vsh = p.v.stride(2);  // head strides of the caches
   const int kh = dl.key_heads;
 
   // Scaled queries (R, d).
   C* qs = ws.q[0].get(R * d);
-  C* rowbuf = ws.row.get(std::max(d, dv));  // row_as: unused when KV is C
   for (index_t l = 0; l < dl.lanes; ++l) {
     const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
     for (index_t ii = 0; ii < n; ++ii) {
@@ -292,65 +262,50 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     }
   }
 
-  // Scores (R, lds): each key row once, against every query row that reads it.
+  // Scores (R, lds) of every row against every key of [jlo, jhi) (a row's
+  // keys outside its own range are computed and never used). Row r of
+  // (group g, key slot) and query ii is r = (g per_group + slot + m kh) n + ii
+  // for m < per_group / kh: evenly spaced, so each query's rows of a key head
+  // go to partial_dots as a base and a step. part holds P packets per row,
+  // tails the features [dp, d) of P keys per row.
   C* s = ws.s[0].get(R * lds);
-  constexpr bool narrow = !std::is_same<KV, C>::value;
-  // Narrow caches: the query rows of (group g, slot) that see key j as query
-  // ii are r = (g per_group + slot + m kh) n + ii, m < per_group / kh: evenly
-  // spaced, so they go to dot_rows as a base and a step.
-  const index_t lanes_per_slot = dl.per_group / kh;
-  // Blocks of P keys that every query row sees go through dot_keys (float
-  // compute only); the rest key by key through dot_rows.
-  constexpr index_t P = TileConfig<C>::kPacket;
-  constexpr bool by_block = narrow && std::is_same<C, float>::value && P > 1;
-  const index_t blo = by_block ? std::min(rb[n - 1], re[0]) : jlo;
-  const index_t bhi = by_block ? std::max(blo, re[0]) : jlo;  // [blo, bhi): seen by all rows
-  const index_t bend = blo + (bhi - blo) / P * P;
-  const KV* kblock[TileConfig<C>::kPacket];  // rows of a block of keys (later values)
-  for (index_t j0 = blo; j0 < bend && by_block; j0 += P) {
-    for (index_t jj = 0; jj < P; ++jj) kblock[jj] = p.key_row(sq, j0 + jj, 0);
-    // The next block's rows: a block reads P rows head by head, a pattern the
-    // hardware prefetcher follows less well than one row after another.
-    for (index_t jj = 0; jj < P && j0 + P + jj < bend; ++jj)
-      prefetch_row(p.key_row(sq, j0 + P + jj, 0), dl.groups * kh * ksh);
-    for (index_t g = 0; g < dl.groups; ++g)
-      for (int slot = 0; slot < kh; ++slot) {
-        const KV* kg[TileConfig<C>::kPacket];
-        for (index_t jj = 0; jj < P; ++jj) kg[jj] = kblock[jj] + (g * kh + slot) * ksh;
-        for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
+  C* part = ws.s[1].get(R * P * P);
+  C* tails = dp < d ? ws.q[1].get(R * P) : nullptr;
+  const index_t lanes_per_slot = dl.per_group / kh, rstep = kh * n;
+  const index_t row_bytes = dl.groups * kh * d * static_cast<index_t>(sizeof(KV));
+  const index_t kahead = std::max<index_t>(4, kDecodeAheadBytes / row_bytes);
+  const bool kpre = lanes_per_slot * n >= 2;
+  for (index_t j0 = jlo; j0 < jhi; j0 += P) {
+    const index_t jn = std::min<index_t>(P, jhi - j0);
+    for (index_t jj = 0; jj < jn; ++jj) {
+      const index_t j = j0 + jj;
+      if (kpre && j + kahead < jhi) {
+        const KV* ahead = p.key_row(sq, j + kahead, 0);
+        for (index_t h = 0; h < dl.groups * kh; ++h) prefetch_row_l2(ahead + h * ksh, d);
+      }
+      const KV* k0 = p.key_row(sq, j, 0);
+      for (index_t g = 0; g < dl.groups; ++g)
+        for (int slot = 0; slot < kh; ++slot) {
+          const KV* krow = k0 + (g * kh + slot) * ksh;
           for (index_t ii = 0; ii < n; ++ii) {
-            const index_t r = l * n + ii;
-            dot_keys(qs + r * d, kg, d, s + r * lds + (j0 - jlo));
-          }
-      }
-  }
-  for (index_t j = jlo; j < jhi && narrow; ++j) {
-    if (j == blo && bend > blo) j = bend;  // done by blocks
-    if (j >= jhi) break;
-    const KV* k0 = p.key_row(sq, j, 0);
-    for (index_t g = 0; g < dl.groups; ++g)
-      for (int slot = 0; slot < kh; ++slot) {
-        const KV* krow = k0 + (g * kh + slot) * ksh;
-        for (index_t ii = 0; ii < n; ++ii) {
-          if (j < rb[ii] || j >= re[ii]) continue;
-          const index_t r0 = (g * dl.per_group + slot) * n + ii, rstep = kh * n;
-          dot_rows(krow, d, qs + r0 * d, rstep * d, s + r0 * lds + (j - jlo), rstep * lds,
-                   lanes_per_slot);
-        }
-      }
-  }
-  for (index_t j = jlo; j < jhi && !narrow; ++j) {
-    const KV* k0 = p.key_row(sq, j, 0);
-    for (index_t g = 0; g < dl.groups; ++g)
-      for (int slot = 0; slot < kh; ++slot) {
-        const RowMap krow(row_as<C>(k0 + (g * kh + slot) * ksh, d, rowbuf), d);
-        for (index_t l = g * dl.per_group + slot; l < (g + 1) * dl.per_group; l += kh)
-          for (index_t ii = 0; ii < n; ++ii)
-            if (j >= rb[ii] && j < re[ii]) {
-              const index_t r = l * n + ii;
-              s[r * lds + (j - jlo)] = RowMap(qs + r * d, d).dot(krow);
+            const index_t r0 = (g * dl.per_group + slot) * n + ii;
+            partial_dots(krow, dp, qs + r0 * d, rstep * d, part + r0 * P * P + jj * P,
+                         rstep * P * P, lanes_per_slot);
+            for (index_t m = 0; tails && m < lanes_per_slot; ++m) {
+              const C* qr = qs + (r0 + m * rstep) * d;
+              C sum = 0;
+              for (index_t t = dp; t < d; ++t) sum += qr[t] * static_cast<C>(krow[t]);
+              tails[(r0 + m * rstep) * P + jj] = sum;
             }
-      }
+          }
+        }
+    }
+    for (index_t r = 0; r < R; ++r) {
+      C* sr = s + r * lds + (j0 - jlo);
+      if (jn < P) std::fill(part + r * P * P + jn * P, part + (r + 1) * P * P, C(0));
+      reduce_keys(part + r * P * P, sr);
+      for (index_t jj = 0; tails && jj < jn; ++jj) sr[jj] += tails[r * P + jj];
+    }
   }
 
   // Exact softmax per row over its keys of the chunk, normalised in place.
@@ -363,24 +318,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     ArrayMap(w, cnt) *= c;
   }
 
-  // o = W V, each value row once.
+  // o = W V, value row after value row; a row's keys outside its range are
+  // skipped (never multiplied by a zero weight, which would turn a NaN value
+  // it does not see into a NaN output).
   std::fill(o, o + R * dv, C(0));
-  for (index_t j0 = blo; j0 < bend && by_block; j0 += P) {  // the blocks of the scores
-    for (index_t jj = 0; jj < P; ++jj) kblock[jj] = p.value_row(sq, j0 + jj, 0);
-    for (index_t jj = 0; jj < P && j0 + P + jj < bend; ++jj)
-      prefetch_row(p.value_row(sq, j0 + P + jj, 0), dl.groups * vsh);
-    for (index_t g = 0; g < dl.groups; ++g) {
-      const KV* vg[TileConfig<C>::kPacket];
-      for (index_t jj = 0; jj < P; ++jj) vg[jj] = kblock[jj] + g * vsh;
-      for (index_t ii = 0; ii < n; ++ii) {
-        const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
-        axpy_keys(vg, dv, o + r0 * dv, n * dv, s + r0 * lds + (j0 - jlo), n * lds, dl.per_group);
-      }
+  const index_t vahead =
+      std::max<index_t>(4, kDecodeAheadBytes / (dl.groups * dv * static_cast<index_t>(sizeof(KV))));
+  const bool vpre = dl.per_group * n >= 2;
+  for (index_t j = jlo; j < jhi; ++j) {
+    if (vpre && j + vahead < jhi) {
+      const KV* ahead = p.value_row(sq, j + vahead, 0);
+      for (index_t g = 0; g < dl.groups; ++g) prefetch_row_l2(ahead + g * vsh, dv);
     }
-  }
-  for (index_t j = jlo; j < jhi && narrow; ++j) {
-    if (j == blo && bend > blo) j = bend;  // done by blocks
-    if (j >= jhi) break;
     const KV* v0 = p.value_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g) {
       const KV* vrow = v0 + g * vsh;
@@ -388,16 +337,6 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
         if (j < rb[ii] || j >= re[ii]) continue;
         const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
         axpy_rows(vrow, dv, o + r0 * dv, n * dv, s + r0 * lds + (j - jlo), n * lds, dl.per_group);
-      }
-    }
-  }
-  for (index_t j = jlo; j < jhi && !narrow; ++j) {
-    const KV* v0 = p.value_row(sq, j, 0);
-    for (index_t g = 0; g < dl.groups; ++g) {
-      const ConstArrayMap vrow(row_as<C>(v0 + g * vsh, dv, rowbuf), dv);
-      for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r) {
-        const index_t ii = r % n;
-        if (j >= rb[ii] && j < re[ii]) ArrayMap(o + r * dv, dv) += s[r * lds + (j - jlo)] * vrow;
       }
     }
   }
