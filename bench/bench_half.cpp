@@ -117,13 +117,19 @@ void print_memory() {
   cfg.num_kv_heads = kKvHeads;
   cfg.causal = true;
   diffattn::MultiheadDiffAttnV2<float> layer(cfg, 1);
+  diffattn::MultiheadDiffAttnV2<bfloat16> small(layer);
   const double mib = 1.0 / (1 << 20);
-  const double weights = static_cast<double>(layer.num_parameters()) * sizeof(float) * mib;
+  auto weights = [mib](auto& m) {
+    std::size_t bytes = 0;
+    for (const auto& kv : m.parameters())
+      bytes += static_cast<std::size_t>(kv.second.size()) * sizeof(*kv.second.data());
+    return static_cast<double>(bytes) * mib;
+  };
   const auto cf = layer.make_cache(1, 32768);
   const auto cb = layer.make_cache<bfloat16>(1, 32768);
   std::printf("V2 layer, E = %ld, 8 DIFF heads on 8 kv heads of 64:\n",
               static_cast<long>(cfg.embed_dim));
-  std::printf("  weights (float; 16-bit parameters are not supported): %.2f MiB\n", weights);
+  std::printf("  weights: float %.2f MiB, bfloat16 %.2f MiB\n", weights(layer), weights(small));
   std::printf("  KV cache of 32768 tokens: float %.2f MiB, bfloat16 %.2f MiB\n",
               static_cast<double>(cf.bytes()) * mib, static_cast<double>(cb.bytes()) * mib);
 }

@@ -1,9 +1,11 @@
 // The projections' products (detail/linear.hpp) against float64 loops.
+#include <cstring>
 #include <vector>
 
 #include <catch2/catch.hpp>
 #include <diffattn/detail/linear.hpp>
 #include <diffattn/detail/random.hpp>
+#include <diffattn/types.hpp>
 
 using diffattn::index_t;
 
@@ -68,5 +70,47 @@ TEST_CASE("linear and linear_backward match float64 loops", "[linear]") {
     diffattn::detail::linear<float>(xf.data(), s.rows, s.in, wf.data(), s.out, y2.data(), 2);
     CHECK(max_rel(y, yf) < 1e-5);
     CHECK(yf == y2);  // bitwise, any thread count
+  }
+}
+
+TEST_CASE("16-bit x, W and y: the float product of the widened values, rounded once",
+          "[linear][half]") {
+  using diffattn::bfloat16;
+  using diffattn::half;
+  // Few rows (dot products); 100 rows (packed panels); 96 rows with in = 8192,
+  // where a 16-bit W is packed in slabs of 128 outputs (two here, the second
+  // of 8): each output sums over the depth as in one slab.
+  REQUIRE(diffattn::detail::linear_slab_outputs<float>(8192) == 128);
+  struct Shape {
+    index_t rows, in, out;
+  };
+  for (const Shape s : {Shape{7, 300, 70}, Shape{100, 64, 50}, Shape{96, 8192, 136}}) {
+    INFO("rows " << s.rows << " in " << s.in << " out " << s.out);
+    const bool small = s.in < 1000;
+    const auto xd = random_vec(s.rows * s.in, 6), wd = random_vec(s.out * s.in, 7);
+    const std::vector<bfloat16> xb(xd.begin(), xd.end()), wb(wd.begin(), wd.end());
+    // the float product on the widened values
+    const std::vector<float> xf(xb.begin(), xb.end()), wbf(wb.begin(), wb.end());
+    std::vector<float> ref(static_cast<std::size_t>(s.rows * s.out)), yf(ref.size());
+    diffattn::detail::linear(xf.data(), s.rows, s.in, wbf.data(), s.out, ref.data(), 2);
+    // 16-bit y: that product rounded once
+    std::vector<bfloat16> yb(ref.size());
+    diffattn::detail::linear(xb.data(), s.rows, s.in, wb.data(), s.out, yb.data(), 2);
+    bool rounded_once = true;
+    for (std::size_t i = 0; i < yb.size(); ++i) {
+      const bfloat16 want(ref[i]);
+      rounded_once = rounded_once && std::memcmp(&yb[i], &want, sizeof want) == 0;
+    }
+    CHECK(rounded_once);
+    if (!small) continue;
+    // float y from 16-bit x and W, one thread or two: bitwise the float product
+    diffattn::detail::linear(xb.data(), s.rows, s.in, wb.data(), s.out, yf.data(), 1);
+    CHECK(yf == ref);
+    const std::vector<half> wh(wd.begin(), wd.end());
+    const std::vector<float> whf(wh.begin(), wh.end());
+    std::vector<float> ref_h(ref.size());
+    diffattn::detail::linear(xf.data(), s.rows, s.in, whf.data(), s.out, ref_h.data(), 2);
+    diffattn::detail::linear(xf.data(), s.rows, s.in, wh.data(), s.out, yf.data(), 2);
+    CHECK(yf == ref_h);
   }
 }

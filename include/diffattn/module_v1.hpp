@@ -76,7 +76,6 @@ enum class WeightLayout {
   diffllama,
 };
 
-
 /// Differential attention layer, V1 (split heads; Ye et al., ICLR 2025):
 ///
 ///   q = rope(x Wq^T) (B, N, 2H, d),  k = rope(x Wk^T) (B, N, 2Hkv, d),  v = x Wv^T (B, N, Hkv, 2d)
@@ -85,34 +84,37 @@ enum class WeightLayout {
 ///
 /// lambda_full = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init(depth).
 /// Parameters carry the reference's state_dict names and shapes (nn.Linear
-/// weights are (out_features, in_features)); T is float or double.
+/// weights are (out_features, in_features)); T is float or double, or
+/// bfloat16 / half for inference (see value_type and compute_type).
 template <class T>
 class MultiheadDiffAttnV1 {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "MultiheadDiffAttnV1<T>: T is float or double");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
+                    is_half_storage_v<T>,
+                "MultiheadDiffAttnV1<T>: T is float, double, bfloat16 or half");
+  using C = compute_t<T>;
+  static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// Storage of the parameters, of x and of y. A bfloat16 or half layer keeps
+  /// its parameters in half the bytes and runs forward only (backward,
+  /// gradients() and zero_grad() do not compile for it).
   using value_type = T;
+  /// What the layer computes in: T for float and double, float for the 16-bit
+  /// layers. Projections, rotary, lambda, the norm and the kernel's
+  /// accumulators run in it, and the activations between them (q, k, v, the
+  /// attention output) are kept in it, so a 16-bit layer rounds only where a
+  /// bfloat16 engine must: its output y, and keys and values as they enter a
+  /// 16-bit KV cache.
+  using compute_type = C;
   using config_type = DiffAttnV1Config;
 
   /// Builds the layer and initialises it as the reference does, deterministically
   /// from `seed`: projections U(-1/sqrt(E), 1/sqrt(E)) (nn.Linear's default),
-  /// the four lambda vectors N(0, 0.1^2), subln.weight ones. Throws
-  /// diffattn::error for a bad configuration.
+  /// the four lambda vectors N(0, 0.1^2), subln.weight ones (a 16-bit layer:
+  /// the float layer's values, rounded). Throws diffattn::error for a bad
+  /// configuration.
   explicit MultiheadDiffAttnV1(const DiffAttnV1Config& config, std::uint64_t seed = 0)
-      : cfg_(checked(config)),
-        d_(cfg_.head_dim),
-        lambda_init_(diffattn::lambda_init(cfg_.depth)),
-        q_proj_({q_width(), cfg_.embed_dim}),
-        k_proj_({kv_width(), cfg_.embed_dim}),
-        v_proj_({kv_width(), cfg_.embed_dim}),
-        out_proj_({cfg_.embed_dim, q_width()}),
-        lambda_q1_({d_}),
-        lambda_k1_({d_}),
-        lambda_q2_({d_}),
-        lambda_k2_({d_}),
-        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
-        grads_(parameter_shapes(cfg_)) {
+      : MultiheadDiffAttnV1(config, detail::ModuleNoInit{}) {
     detail::Rng rng(seed);
     const index_t e = cfg_.embed_dim;
     detail::module_init_linear(rng, q_proj_.data(), q_width(), e);
@@ -124,6 +126,21 @@ class MultiheadDiffAttnV1 {
     subln_weight_.fill(T(1));
   }
 
+  /// A copy of `other` with every parameter converted to T: rounded to
+  /// nearest even when T is narrower (float -> bfloat16 or half; from double
+  /// through float, as safetensors::convert), exact when it is wider
+  /// (bfloat16 -> float or double). The configuration and thread count are
+  /// copied; gradients start at zero and nothing is kept for backward.
+  ///
+  ///   MultiheadDiffAttnV1<bfloat16> small(trained);  // half the parameter bytes
+  ///   MultiheadDiffAttnV1<double> twin(small);       // small's values, exactly
+  template <class U, std::enable_if_t<!std::is_same<U, T>::value, int> = 0>
+  explicit MultiheadDiffAttnV1(const MultiheadDiffAttnV1<U>& other)
+      : MultiheadDiffAttnV1(other.config(), detail::ModuleNoInit{}) {
+    detail::module_convert_params(other.param_list(), param_list());
+    num_threads_ = other.num_threads_;
+  }
+
   /// The configuration, num_kv_heads resolved (never 0).
   const DiffAttnV1Config& config() const noexcept { return cfg_; }
   /// d, the width of one query/key half (values are 2d wide): config head_dim,
@@ -132,8 +149,9 @@ class MultiheadDiffAttnV1 {
   /// lambda_init(depth), fixed by the configuration.
   double lambda_init() const noexcept { return lambda_init_; }
   /// The current lambda_full from the four lambda vectors (throws if not finite).
-  T lambda_full() const {
-    return diffattn::lambda_full<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
+  C lambda_full() const {
+    return static_cast<C>(
+        lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_).value());
   }
   /// Threads of the attention kernel and the projections (0: the OpenMP
   /// default); results are bitwise identical for any count.
@@ -177,11 +195,13 @@ class MultiheadDiffAttnV1 {
   /// non-causal layer: token-by-token decoding equals the whole sequence only
   /// under the causal mask. S is the cache's storage: T, or bfloat16 / half
   /// (make_cache<bfloat16>(...)) for a cache of half the bytes, the keys and
-  /// values rounded to S as they are appended (the queries are not).
+  /// values rounded to S as they are appended (the queries are not), or
+  /// compute_type (a float cache for a 16-bit layer).
   template <class S = T>
   KVCache<S> make_cache(index_t batch, index_t capacity) const {
-    static_assert(std::is_same<S, T>::value || is_half_storage_v<S>,
-                  "MultiheadDiffAttnV1::make_cache: the cache holds T, bfloat16 or half");
+    static_assert(std::is_same<S, T>::value || std::is_same<S, C>::value || is_half_storage_v<S>,
+                  "MultiheadDiffAttnV1::make_cache: the cache holds T, compute_type, bfloat16 "
+                  "or half");
     if (!cfg_.causal)
       detail::fail("MultiheadDiffAttnV1::make_cache",
                    "a KV cache needs a causal layer (config.causal = true)");
@@ -197,8 +217,9 @@ class MultiheadDiffAttnV1 {
   /// forward gives on the whole sequence. Keeps nothing for backward (a later
   /// backward throws until the next forward). Throws, changing nothing, when
   /// the cache is full, was made for another layer or another batch size. A
-  /// 16-bit cache (make_cache<bfloat16>) is read by the kernel in float (or
-  /// T), the new keys and values rounded to S when appended.
+  /// 16-bit cache (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is
+  /// read by the kernel in compute_type, the new keys and values rounded to S
+  /// when appended.
   template <class S>
   Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
     constexpr const char* fn = "MultiheadDiffAttnV1::forward";
@@ -209,24 +230,26 @@ class MultiheadDiffAttnV1 {
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
     saved_ = Saved{};
-    Tensor<T, 4> q, k, v;
+    Tensor<C, 4> q, k, v;
     project(detail::module_contiguous_copy<T>(x), cache.size(), nullptr, q, k, v);
-    Tensor<T, 4> attn({b, n, h, 2 * d_});  // (B, n, H, 2d)
-    const T lambda = lambda_full();
+    Tensor<C, 4> attn({b, n, h, 2 * d_});  // (B, n, H, 2d)
+    const C lambda = lambda_full();
     const AttentionOptions o = options();
     detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
-      if constexpr (std::is_same<S, T>::value) {
-        diff_attention_v1<T>(detail::module_rows(q, a, np), keys, values, lambda,
+      if constexpr (std::is_same<S, C>::value) {
+        diff_attention_v1<C>(detail::module_rows(q, a, np), keys, values, lambda,
                              detail::module_rows(attn, a, np), o);
       } else {  // every sequence holds all of keys: the cache kernel reads S rows
         const detail::FullCache full(b, keys.shape(1));
-        diff_attention_v1_kvcache<T, S>(detail::module_rows(q, a, np), keys, values, lambda,
+        diff_attention_v1_kvcache<C, S>(detail::module_rows(q, a, np), keys, values, lambda,
                                         detail::module_rows(attn, a, np), {}, full.batch, o);
       }
     });
-    Tensor<T, 4> normed({b, n, h, 2 * d_});  // (B, n, H, 2d)
-    rms_norm<T>(attn, subln_weight_, normed.view(), cfg_.norm_eps, 1.0 - lambda_init_);
-    Tensor<T, 3> y({b, n, e});  // (B, n, E)
+    Tensor<C, 4> normed({b, n, h, 2 * d_});  // (B, n, H, 2d)
+    Tensor<C, 1> wbuf;
+    rms_norm<C>(attn, detail::module_compute_view(subln_weight_, wbuf), normed.view(),
+                cfg_.norm_eps, 1.0 - lambda_init_);
+    Tensor<T, 3> y({b, n, e});  // (B, n, E), rounded once for a 16-bit layer
     detail::module_linear(normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
                           num_threads_);
     return y;
@@ -242,8 +265,144 @@ class MultiheadDiffAttnV1 {
   /// same gradients again. Parameters must not change between forward and
   /// backward. An empty batch or sequence returns an empty dx and adds
   /// nothing. Throws diffattn::error when no forward ran yet or dy's shape is
-  /// not the forward output's.
+  /// not the forward output's. Not for a 16-bit layer (a compile-time error):
+  /// train in float and convert.
   Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV1::backward: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    if constexpr (kTrainable)
+      return run_backward(dy);
+    else
+      return {};
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened exactly
+  /// as parameters() (same names, sizes and order), so an optimizer pairs them
+  /// by name. The views write through; zero_grad() clears them. Float and
+  /// double layers only.
+  std::map<std::string, TensorView<T, 1>> gradients() {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV1::gradients: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    return grads_.views();
+  }
+  /// Sets every gradient to zero (backward adds to them). Float and double
+  /// layers only.
+  void zero_grad() {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV1::zero_grad: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    grads_.zero();
+  }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
+  /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
+  /// 1 - lambda_full; masked entries 0 under the causal mask). Costs O(B H N^2)
+  /// memory; leaves the state kept for backward untouched. Same arguments and
+  /// errors as forward. In compute_type (float for a 16-bit layer).
+  Tensor<C, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV1::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<C, 4> q, k, v;
+    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
+    const C lambda = lambda_full();
+    Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
+    const index_t group = h / cfg_.num_kv_heads;
+    const detail::KeyBand band = detail::band_of(options());
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = hi / group;
+        const Matrix<C> a1 = detail::module_softmax_map<C>(q, k, bi, 2 * hi, 2 * gi, band);
+        const Matrix<C> a2 = detail::module_softmax_map<C>(q, k, bi, 2 * hi + 1, 2 * gi + 1, band);
+        detail::module_store_map<C>(a1 - lambda * a2, w, bi, hi);
+      }
+    return w;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major as
+  /// PyTorch stores it: q_proj.weight (2H d, E), k_proj.weight and v_proj.weight
+  /// (2Hkv d, E), out_proj.weight (E, 2H d), lambda_q1, lambda_k1, lambda_q2,
+  /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
+  /// write through to the layer.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it
+  /// (for sizing a large model). Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV1Config& config) {
+    std::map<std::string, std::vector<index_t>> out;
+    for (auto& p : param_list(checked(config), nullptr)) out[p.name] = p.shape;
+    return out;
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from the tensors prefix + name of a safetensors file
+  /// (F32, F64, F16 or BF16, converted to T: a 16-bit layer takes BF16 or F16
+  /// of its own type bit for bit and rounds any other to nearest even), e.g.
+  /// prefix "model.layers.3.self_attn.". Extra tensors are ignored. When a
+  /// tensor is missing, has another shape or a non-float dtype, or the file is
+  /// unreadable or corrupt, diffattn::error names the file and the tensors
+  /// (with both shapes) and no parameter is changed. `layout` selects the row
+  /// order and names of the checkpoint (see WeightLayout).
+  void load_safetensors(const std::string& path, const std::string& prefix = "",
+                        WeightLayout layout = WeightLayout::native) {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    if (layout == WeightLayout::diffllama) {
+      src["q_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_heads, d_);
+      src["k_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_kv_heads, d_);
+      src["v_proj.weight"].row_perm = detail::module_diffllama_v_perm(cfg_.num_kv_heads, d_);
+      src["out_proj.weight"].file_name = "o_proj.weight";
+      if (cfg_.norm_affine) src["subln.weight"] = detail::ModuleSource{"", false, 1, {}};
+    }
+    detail::module_load<T>("MultiheadDiffAttnV1::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32, F64, BF16 or
+  /// F16, bit for bit), in the native layout, with metadata {"format": "pt"}:
+  /// the file loads with safetensors.torch.load_file into the reference
+  /// module's state_dict.
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, param_list());
+  }
+
+ private:
+  template <class>
+  friend class MultiheadDiffAttnV1;
+
+  // The uninitialised parameters of a layer with `config`.
+  MultiheadDiffAttnV1(const DiffAttnV1Config& config, detail::ModuleNoInit)
+      : cfg_(checked(config)),
+        d_(cfg_.head_dim),
+        lambda_init_(diffattn::lambda_init(cfg_.depth)),
+        q_proj_({q_width(), cfg_.embed_dim}),
+        k_proj_({kv_width(), cfg_.embed_dim}),
+        v_proj_({kv_width(), cfg_.embed_dim}),
+        out_proj_({cfg_.embed_dim, q_width()}),
+        lambda_q1_({d_}),
+        lambda_k1_({d_}),
+        lambda_q2_({d_}),
+        lambda_k2_({d_}),
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
+        grads_(parameter_shapes(cfg_)) {}
+
+  Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
     constexpr const char* fn = "MultiheadDiffAttnV1::backward";
     if (!saved_.valid) detail::fail(fn, "backward called before forward");
     if (dy.shape() != saved_.x.shape())
@@ -255,8 +414,8 @@ class MultiheadDiffAttnV1 {
     const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
 
     Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    detail::module_linear_backward(saved_.normed.data(), rows, q_width(), out_proj_.data(), e, g.data(),
-                                   grads_.at("out_proj.weight"), dnormed.data(), false,
+    detail::module_linear_backward(saved_.normed.data(), rows, q_width(), out_proj_.data(), e,
+                                   g.data(), grads_.at("out_proj.weight"), dnormed.data(), false,
                                    num_threads_);
     Tensor<T, 4> dattn({b, n, h, 2 * d_});                 // (B, N, H, 2d)
     Tensor<T, 1> dsubln({cfg_.norm_affine ? 2 * d_ : 0});  // (2d) or (0)
@@ -308,108 +467,15 @@ class MultiheadDiffAttnV1 {
     return dx;
   }
 
-  /// The accumulated gradient of every parameter, keyed and flattened exactly
-  /// as parameters() (same names, sizes and order), so an optimizer pairs them
-  /// by name. The views write through; zero_grad() clears them.
-  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
-  /// Sets every gradient to zero (backward adds to them).
-  void zero_grad() { grads_.zero(); }
-
-  /// The differential attention maps of x (B, N, E), materialised for analysis:
-  /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
-  /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
-  /// 1 - lambda_full; masked entries 0 under the causal mask). Costs O(B H N^2)
-  /// memory; leaves the state kept for backward untouched. Same arguments and
-  /// errors as forward.
-  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
-    constexpr const char* fn = "MultiheadDiffAttnV1::attention_maps";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    if (x.shape(2) != e)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
-    if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
-    const index_t b = x.shape(0), n = x.shape(1);
-    Tensor<T, 4> q, k, v;
-    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
-    const T lambda = lambda_full();
-    Tensor<T, 4> w({b, h, n, n});  // (B, H, N, N)
-    const index_t group = h / cfg_.num_kv_heads;
-    const detail::KeyBand band = detail::band_of(options());
-    for (index_t bi = 0; bi < b; ++bi)
-      for (index_t hi = 0; hi < h; ++hi) {
-        const index_t gi = hi / group;
-        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, 2 * gi, band);
-        const Matrix<T> a2 =
-            detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, 2 * gi + 1, band);
-        detail::module_store_map<T>(a1 - lambda * a2, w, bi, hi);
-      }
-    return w;
-  }
-
-  /// Every parameter by its reference state_dict name, flattened row-major as
-  /// PyTorch stores it: q_proj.weight (2H d, E), k_proj.weight and v_proj.weight
-  /// (2Hkv d, E), out_proj.weight (E, 2H d), lambda_q1, lambda_k1, lambda_q2,
-  /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
-  /// write through to the layer.
-  std::map<std::string, TensorView<T, 1>> parameters() {
-    std::map<std::string, TensorView<T, 1>> out;
-    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
-    return out;
-  }
-  /// The PyTorch shape of every parameter, keyed as parameters().
-  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
-    return parameter_shapes(cfg_);
-  }
-  /// The parameter shapes a layer with `config` would have, without building it
-  /// (for sizing a large model). Throws for a bad configuration.
-  static std::map<std::string, std::vector<index_t>> parameter_shapes(
-      const DiffAttnV1Config& config) {
-    std::map<std::string, std::vector<index_t>> out;
-    for (auto& p : param_list(checked(config), nullptr)) out[p.name] = p.shape;
-    return out;
-  }
-  /// Total number of parameters.
-  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
-
-  /// Loads every parameter from the tensors prefix + name of a safetensors file
-  /// (F32, F64, F16 or BF16, converted to T), e.g. prefix
-  /// "model.layers.3.self_attn.". Extra tensors are ignored. When a tensor is
-  /// missing, has another shape or a non-float dtype, or the file is unreadable
-  /// or corrupt, diffattn::error names the file and the tensors (with both
-  /// shapes) and no parameter is changed. `layout` selects the row order and
-  /// names of the checkpoint (see WeightLayout).
-  void load_safetensors(const std::string& path, const std::string& prefix = "",
-                        WeightLayout layout = WeightLayout::native) {
-    std::map<std::string, detail::ModuleSource> src;
-    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
-    if (layout == WeightLayout::diffllama) {
-      src["q_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_heads, d_);
-      src["k_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_kv_heads, d_);
-      src["v_proj.weight"].row_perm = detail::module_diffllama_v_perm(cfg_.num_kv_heads, d_);
-      src["out_proj.weight"].file_name = "o_proj.weight";
-      if (cfg_.norm_affine) src["subln.weight"] = detail::ModuleSource{"", false, 1, {}};
-    }
-    detail::module_load<T>("MultiheadDiffAttnV1::load_safetensors", path, prefix, param_list(),
-                           src);
-  }
-
-  /// Writes every parameter as prefix + name in T's dtype (F32 or F64), in the
-  /// native layout, with metadata {"format": "pt"}: the file loads with
-  /// safetensors.torch.load_file into the reference module's state_dict.
-  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
-    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV1*>(this)->param_list());
-  }
-
- private:
-
-  // What the last forward keeps for the backward pass.
+  // What the last forward keeps for the backward pass (a 16-bit layer:
+  // nothing once forward returns). Activations in C, unrounded.
   struct Saved {
     Tensor<T, 3> x;        // (B, N, E) the input, contiguous
-    Tensor<T, 4> q, k, v;  // (B, N, 2H, d), (B, N, 2Hkv, d) after rope; (B, N, Hkv, 2d)
-    Tensor<T, 4> attn;     // (B, N, H, 2d) kernel output, before the norm
-    Tensor<T, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
-    Tensor<T, 4> normed;   // (B, N, H, 2d) out_proj's input
-    Tensor<T, 3> inv_rms;  // (B, N, H)
+    Tensor<C, 4> q, k, v;  // (B, N, 2H, d), (B, N, 2Hkv, d) after rope; (B, N, Hkv, 2d)
+    Tensor<C, 4> attn;     // (B, N, H, 2d) kernel output, before the norm
+    Tensor<C, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+    Tensor<C, 4> normed;   // (B, N, H, 2d) out_proj's input
+    Tensor<C, 3> inv_rms;  // (B, N, H)
     LambdaTerms lambda;
     index_t position_offset = 0;
     bool packed = false;    // a packed batch: B = 1, sequences in `seqs`
@@ -438,28 +504,30 @@ class MultiheadDiffAttnV1 {
     project(saved_.x, position_offset, seqs ? &saved_.seqs.cu_seqlens_q : nullptr, saved_.q,
             saved_.k, saved_.v);
     saved_.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
-    saved_.attn = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    saved_.lse = Tensor<T, 3>({b, 2 * h, n});       // (B, 2H, N)
-    const T lambda = static_cast<T>(saved_.lambda.value());
+    saved_.attn = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.lse = Tensor<C, 3>({b, 2 * h, n});       // (B, 2H, N)
+    const C lambda = static_cast<C>(saved_.lambda.value());
     if (seqs) {
       using detail::drop_batch;
-      diff_attention_v1_varlen<T>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
+      diff_attention_v1_varlen<C>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
                                   drop_batch(saved_.v.cview()), lambda,
                                   drop_batch(saved_.attn.view()), drop_batch(saved_.lse.view()),
                                   saved_.seqs, options());
     } else {
-      diff_attention_v1<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn.view(),
+      diff_attention_v1<C>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn.view(),
                            saved_.lse.view(), options());
     }
-    saved_.normed = Tensor<T, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    saved_.inv_rms = Tensor<T, 3>({b, n, h});         // (B, N, H)
-    rms_norm<T>(saved_.attn, subln_weight_, saved_.normed.view(), cfg_.norm_eps, 1.0 - lambda_init_,
-                saved_.inv_rms.view());
-    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    saved_.normed = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    saved_.inv_rms = Tensor<C, 3>({b, n, h});         // (B, N, H)
+    Tensor<C, 1> wbuf;
+    rms_norm<C>(saved_.attn, detail::module_compute_view(subln_weight_, wbuf), saved_.normed.view(),
+                cfg_.norm_eps, 1.0 - lambda_init_, saved_.inv_rms.view());
+    Tensor<T, 3> y({b, n, e});  // (B, N, E), rounded once for a 16-bit layer
     detail::module_linear(saved_.normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
                           num_threads_);
     saved_.position_offset = position_offset;
     saved_.valid = true;
+    if constexpr (!kTrainable) saved_ = Saved{};  // no backward: keep nothing
     return y;
   }
 
@@ -498,19 +566,19 @@ class MultiheadDiffAttnV1 {
   index_t q_width() const noexcept { return 2 * cfg_.num_heads * d_; }      // q_proj rows
 
   // q (B, N, 2H, d) and k (B, N, 2Hkv, d) after rope, v (B, N, Hkv, 2d), from
-  // the contiguous x (B, N, E).
+  // the contiguous x (B, N, E): in C, from T weights widened as they are packed.
   void project(const Tensor<T, 3>& x, index_t position_offset, const std::vector<index_t>* cu,
-               Tensor<T, 4>& q, Tensor<T, 4>& k, Tensor<T, 4>& v) const {
+               Tensor<C, 4>& q, Tensor<C, 4>& k, Tensor<C, 4>& v) const {
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
-    q = Tensor<T, 4>({b, n, 2 * cfg_.num_heads, d_});
-    k = Tensor<T, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
-    v = Tensor<T, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
+    q = Tensor<C, 4>({b, n, 2 * cfg_.num_heads, d_});
+    k = Tensor<C, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
+    v = Tensor<C, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
     detail::module_linear(x.data(), rows, e, q_proj_.data(), q_width(), q.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data(), num_threads_);
     if (cfg_.rope) {
-      detail::module_rope<T>(q.view(), position_offset, cu, cfg_.rope_base, false);
-      detail::module_rope<T>(k.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(q.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(k.view(), position_offset, cu, cfg_.rope_base, false);
     }
   }
 
@@ -519,6 +587,12 @@ class MultiheadDiffAttnV1 {
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
+  std::vector<detail::ModuleParam<const T>> param_list() const {
+    std::vector<detail::ModuleParam<const T>> l;
+    for (const auto& p : param_list(cfg_, const_cast<MultiheadDiffAttnV1*>(this)))
+      l.push_back({p.name, p.shape, p.data});
+    return l;
+  }
 
   // The parameters of a layer with the checked config c; data pointers are those
   // of `self`, or null when only the shapes are wanted.

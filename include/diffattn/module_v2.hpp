@@ -45,7 +45,6 @@ struct DiffAttnV2Config {
   index_t window_right = -1;
 };
 
-
 /// Differential attention layer, V2 (doubled query heads):
 ///
 ///   q = rope(x Wq^T) (B, N, 2H, hd),  k = rope(x Wk^T), v = x Wv^T  (B, N, Hkv, hd)
@@ -55,29 +54,43 @@ struct DiffAttnV2Config {
 ///   y = a reshaped (B, N, H * hd) Wo^T                              (B, N, E)
 ///
 /// No per-head norm. The KV cache per token (2 Hkv hd values) is the baseline's.
+/// T is float or double, or bfloat16 / half for inference, as for
+/// MultiheadDiffAttnV1.
 template <class T>
 class MultiheadDiffAttnV2 {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
-                "MultiheadDiffAttnV2<T>: T is float or double");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
+                    is_half_storage_v<T>,
+                "MultiheadDiffAttnV2<T>: T is float, double, bfloat16 or half");
+  using C = compute_t<T>;
+  static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// Storage of the parameters, x and y; a 16-bit layer runs forward only.
   using value_type = T;
+  /// What the layer computes in and keeps its activations (q, k, v, lambda
+  /// logits, attention output) in: T, or float for a 16-bit layer, which
+  /// rounds only its output and the keys and values entering a 16-bit cache.
+  using compute_type = C;
   using config_type = DiffAttnV2Config;
 
   /// Builds the layer with nn.Linear's default initialisation for all five
-  /// projections, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), deterministic from `seed`.
-  /// Throws diffattn::error for a bad configuration.
+  /// projections, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), deterministic from `seed`
+  /// (a 16-bit layer: the float layer's values, rounded). Throws
+  /// diffattn::error for a bad configuration.
   explicit MultiheadDiffAttnV2(const DiffAttnV2Config& config, std::uint64_t seed = 0)
-      : cfg_(checked(config)),
-        q_proj_({2 * cfg_.num_heads * cfg_.head_dim, cfg_.embed_dim}),
-        k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
-        v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
-        o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
-        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
-        grads_(parameter_shapes(cfg_)) {
+      : MultiheadDiffAttnV2(config, detail::ModuleNoInit{}) {
     detail::Rng rng(seed);
     for (Tensor<T, 2>* w : {&q_proj_, &k_proj_, &v_proj_, &o_proj_, &lambda_proj_})
       detail::module_init_linear(rng, w->data(), w->shape(0), w->shape(1));
+  }
+
+  /// A copy of `other` with every parameter converted to T (rounded to nearest
+  /// even when narrower, exact when wider); as MultiheadDiffAttnV1's.
+  template <class U, std::enable_if_t<!std::is_same<U, T>::value, int> = 0>
+  explicit MultiheadDiffAttnV2(const MultiheadDiffAttnV2<U>& other)
+      : MultiheadDiffAttnV2(other.config(), detail::ModuleNoInit{}) {
+    detail::module_convert_params(other.param_list(), param_list());
+    num_threads_ = other.num_threads_;
   }
 
   /// The configuration, num_kv_heads and head_dim resolved (never 0).
@@ -111,12 +124,13 @@ class MultiheadDiffAttnV2 {
 
   /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
   /// Hkv key heads (after rotary) and Hkv value heads of head_dim, the
-  /// baseline's cache. As MultiheadDiffAttnV1::make_cache (S: T, bfloat16 or
-  /// half).
+  /// baseline's cache. As MultiheadDiffAttnV1::make_cache (S: T,
+  /// compute_type, bfloat16 or half).
   template <class S = T>
   KVCache<S> make_cache(index_t batch, index_t capacity) const {
-    static_assert(std::is_same<S, T>::value || is_half_storage_v<S>,
-                  "MultiheadDiffAttnV2::make_cache: the cache holds T, bfloat16 or half");
+    static_assert(std::is_same<S, T>::value || std::is_same<S, C>::value || is_half_storage_v<S>,
+                  "MultiheadDiffAttnV2::make_cache: the cache holds T, compute_type, bfloat16 "
+                  "or half");
     if (!cfg_.causal)
       detail::fail("MultiheadDiffAttnV2::make_cache",
                    "a KV cache needs a causal layer (config.causal = true)");
@@ -137,24 +151,24 @@ class MultiheadDiffAttnV2 {
                                cfg_.window_left);
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
     saved_ = Saved{};
-    Tensor<T, 4> q, k, v;
-    Tensor<T, 3> logit;
+    Tensor<C, 4> q, k, v;
+    Tensor<C, 3> logit;
     project(detail::module_contiguous_copy<T>(x), cache.size(), nullptr, q, k, v, logit);
-    Tensor<T, 4> attn({b, n, h, hd});  // (B, n, H, hd)
+    Tensor<C, 4> attn({b, n, h, hd});  // (B, n, H, hd)
     const AttentionOptions o = options();
     detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
-      if constexpr (std::is_same<S, T>::value) {
-        diff_attention_v2<T>(detail::module_rows(q, a, np), keys, values,
+      if constexpr (std::is_same<S, C>::value) {
+        diff_attention_v2<C>(detail::module_rows(q, a, np), keys, values,
                              detail::module_rows(logit, a, np), detail::module_rows(attn, a, np),
                              o);
       } else {  // every sequence holds all of keys: the cache kernel reads S rows
         const detail::FullCache full(b, keys.shape(1));
-        diff_attention_v2_kvcache<T, S>(detail::module_rows(q, a, np), keys, values,
+        diff_attention_v2_kvcache<C, S>(detail::module_rows(q, a, np), keys, values,
                                         detail::module_rows(logit, a, np),
                                         detail::module_rows(attn, a, np), {}, full.batch, o);
       }
     });
-    Tensor<T, 3> y({b, n, e});  // (B, n, E)
+    Tensor<T, 3> y({b, n, e});  // (B, n, E), rounded once for a 16-bit layer
     detail::module_linear(attn.data(), rows, h * hd, o_proj_.data(), e, y.data(), num_threads_);
     return y;
   }
@@ -165,8 +179,123 @@ class MultiheadDiffAttnV2 {
   /// sigmoid, the lambda logits into lambda_proj.weight and x), the inverse
   /// rotary rotation and the projections. State and errors as
   /// MultiheadDiffAttnV1::backward: a second backward after one forward adds
-  /// the same gradients again.
+  /// the same gradients again. Not for a 16-bit layer (a compile-time error).
   Tensor<T, 3> backward(TensorView<const T, 3> dy) {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV2::backward: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    if constexpr (kTrainable)
+      return run_backward(dy);
+    else
+      return {};
+  }
+
+  /// The accumulated gradient of every parameter, keyed and flattened as
+  /// parameters(). The views write through; zero_grad() clears them. Float
+  /// and double layers only.
+  std::map<std::string, TensorView<T, 1>> gradients() {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV2::gradients: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    return grads_.views();
+  }
+  /// Sets every gradient to zero (backward adds to them). Float and double
+  /// layers only.
+  void zero_grad() {
+    static_assert(kTrainable,
+                  "MultiheadDiffAttnV2::zero_grad: a bfloat16 / half layer runs forward "
+                  "only; train in float, then convert");
+    grads_.zero();
+  }
+
+  /// The differential attention maps of x (B, N, E), materialised for analysis:
+  /// W (B, H, N, N), row i of W[b, h] = A_2h[i] - sigmoid(lambda_logit[b, i, h]) A_2h+1[i]
+  /// (rows sum to 1 - lambda of their token). O(B H N^2) memory; the state kept
+  /// for backward is untouched. Same arguments and errors as forward. In
+  /// compute_type (float for a 16-bit layer).
+  Tensor<C, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
+    constexpr const char* fn = "MultiheadDiffAttnV2::attention_maps";
+    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
+    if (x.shape(2) != e)
+      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    if (position_offset < 0)
+      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+    const index_t b = x.shape(0), n = x.shape(1);
+    Tensor<C, 4> q, k, v;
+    Tensor<C, 3> logit;
+    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v, logit);
+    Tensor<C, 4> w({b, h, n, n});                     // (B, H, N, N)
+    const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
+    const detail::KeyBand band = detail::band_of(options());
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = 2 * hi / group;
+        const Matrix<C> a1 = detail::module_softmax_map<C>(q, k, bi, 2 * hi, gi, band);
+        Matrix<C> a2 = detail::module_softmax_map<C>(q, k, bi, 2 * hi + 1, gi, band);
+        for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<C>(logit(bi, i, hi));
+        detail::module_store_map<C>(a1 - a2, w, bi, hi);
+      }
+    return w;
+  }
+
+  /// Every parameter by its reference state_dict name, flattened row-major:
+  /// q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd, E),
+  /// o_proj.weight (E, H*hd), lambda_proj.weight (H, E). The views write through.
+  std::map<std::string, TensorView<T, 1>> parameters() {
+    std::map<std::string, TensorView<T, 1>> out;
+    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
+    return out;
+  }
+  /// The PyTorch shape of every parameter, keyed as parameters().
+  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
+    return parameter_shapes(cfg_);
+  }
+  /// The parameter shapes a layer with `config` would have, without building it.
+  /// Throws for a bad configuration.
+  static std::map<std::string, std::vector<index_t>> parameter_shapes(
+      const DiffAttnV2Config& config) {
+    const DiffAttnV2Config c = checked(config);
+    const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
+    return {{"q_proj.weight", {2 * h * hd, e}},
+            {"k_proj.weight", {hkv * hd, e}},
+            {"v_proj.weight", {hkv * hd, e}},
+            {"o_proj.weight", {e, h * hd}},
+            {"lambda_proj.weight", {h, e}}};
+  }
+  /// Total number of parameters.
+  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
+
+  /// Loads every parameter from prefix + name; same rules, conversions (a
+  /// 16-bit layer takes its own dtype bit for bit) and errors as
+  /// MultiheadDiffAttnV1::load_safetensors (native layout only).
+  void load_safetensors(const std::string& path, const std::string& prefix = "") {
+    std::map<std::string, detail::ModuleSource> src;
+    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    detail::module_load<T>("MultiheadDiffAttnV2::load_safetensors", path, prefix, param_list(),
+                           src);
+  }
+
+  /// Writes every parameter as prefix + name in T's dtype (F32, F64, BF16 or
+  /// F16, bit for bit).
+  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
+    detail::module_save<T>(path, prefix, param_list());
+  }
+
+ private:
+  template <class>
+  friend class MultiheadDiffAttnV2;
+
+  // The uninitialised parameters of a layer with `config`.
+  MultiheadDiffAttnV2(const DiffAttnV2Config& config, detail::ModuleNoInit)
+      : cfg_(checked(config)),
+        q_proj_({2 * cfg_.num_heads * cfg_.head_dim, cfg_.embed_dim}),
+        k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
+        o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
+        grads_(parameter_shapes(cfg_)) {}
+
+  Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
     constexpr const char* fn = "MultiheadDiffAttnV2::backward";
     if (!saved_.valid) detail::fail(fn, "backward called before forward");
     if (dy.shape() != saved_.x.shape())
@@ -215,89 +344,14 @@ class MultiheadDiffAttnV2 {
     return dx;
   }
 
-  /// The accumulated gradient of every parameter, keyed and flattened as
-  /// parameters(). The views write through; zero_grad() clears them.
-  std::map<std::string, TensorView<T, 1>> gradients() { return grads_.views(); }
-  /// Sets every gradient to zero (backward adds to them).
-  void zero_grad() { grads_.zero(); }
-
-  /// The differential attention maps of x (B, N, E), materialised for analysis:
-  /// W (B, H, N, N), row i of W[b, h] = A_2h[i] - sigmoid(lambda_logit[b, i, h]) A_2h+1[i]
-  /// (rows sum to 1 - lambda of their token). O(B H N^2) memory; the state kept
-  /// for backward is untouched. Same arguments and errors as forward.
-  Tensor<T, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
-    constexpr const char* fn = "MultiheadDiffAttnV2::attention_maps";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    if (x.shape(2) != e)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
-    if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
-    const index_t b = x.shape(0), n = x.shape(1);
-    Tensor<T, 4> q, k, v;
-    Tensor<T, 3> logit;
-    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v, logit);
-    Tensor<T, 4> w({b, h, n, n});                     // (B, H, N, N)
-    const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
-    const detail::KeyBand band = detail::band_of(options());
-    for (index_t bi = 0; bi < b; ++bi)
-      for (index_t hi = 0; hi < h; ++hi) {
-        const index_t gi = 2 * hi / group;
-        const Matrix<T> a1 = detail::module_softmax_map<T>(q, k, bi, 2 * hi, gi, band);
-        Matrix<T> a2 = detail::module_softmax_map<T>(q, k, bi, 2 * hi + 1, gi, band);
-        for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<T>(logit(bi, i, hi));
-        detail::module_store_map<T>(a1 - a2, w, bi, hi);
-      }
-    return w;
-  }
-
-  /// Every parameter by its reference state_dict name, flattened row-major:
-  /// q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd, E),
-  /// o_proj.weight (E, H*hd), lambda_proj.weight (H, E). The views write through.
-  std::map<std::string, TensorView<T, 1>> parameters() {
-    std::map<std::string, TensorView<T, 1>> out;
-    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
-    return out;
-  }
-  /// The PyTorch shape of every parameter, keyed as parameters().
-  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
-    return parameter_shapes(cfg_);
-  }
-  /// The parameter shapes a layer with `config` would have, without building it.
-  /// Throws for a bad configuration.
-  static std::map<std::string, std::vector<index_t>> parameter_shapes(
-      const DiffAttnV2Config& config) {
-    const DiffAttnV2Config c = checked(config);
-    const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
-    return {{"q_proj.weight", {2 * h * hd, e}},
-            {"k_proj.weight", {hkv * hd, e}},
-            {"v_proj.weight", {hkv * hd, e}},
-            {"o_proj.weight", {e, h * hd}},
-            {"lambda_proj.weight", {h, e}}};
-  }
-  /// Total number of parameters.
-  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
-
-  /// Loads every parameter from prefix + name; same rules and errors as
-  /// MultiheadDiffAttnV1::load_safetensors (native layout only).
-  void load_safetensors(const std::string& path, const std::string& prefix = "") {
-    std::map<std::string, detail::ModuleSource> src;
-    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
-    detail::module_load<T>("MultiheadDiffAttnV2::load_safetensors", path, prefix, param_list(),
-                           src);
-  }
-
-  /// Writes every parameter as prefix + name in T's dtype (F32 or F64).
-  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
-    detail::module_save<T>(path, prefix, const_cast<MultiheadDiffAttnV2*>(this)->param_list());
-  }
-
- private:
+  // What the last forward keeps for backward (a 16-bit layer: nothing once
+  // forward returns). Activations in C, unrounded.
   struct Saved {
     Tensor<T, 3> x;        // (B, N, E)
-    Tensor<T, 4> q, k, v;  // (B, N, 2H, hd) after rope, (B, N, Hkv, hd) after rope, (B, N, Hkv, hd)
-    Tensor<T, 3> lambda_logit;  // (B, N, H)
-    Tensor<T, 4> attn;          // (B, N, H, hd) o_proj's input
-    Tensor<T, 3> lse;           // (B, 2H, N)
+    Tensor<C, 4> q, k, v;  // (B, N, 2H, hd) after rope, (B, N, Hkv, hd) after rope, (B, N, Hkv, hd)
+    Tensor<C, 3> lambda_logit;  // (B, N, H)
+    Tensor<C, 4> attn;          // (B, N, H, hd) o_proj's input
+    Tensor<C, 3> lse;           // (B, 2H, N)
     index_t position_offset = 0;
     bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
     PackedSequences seqs;
@@ -324,24 +378,24 @@ class MultiheadDiffAttnV2 {
     saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
     project(saved_.x, position_offset, seqs ? &saved_.seqs.cu_seqlens_q : nullptr, saved_.q,
             saved_.k, saved_.v, saved_.lambda_logit);
-    saved_.attn = Tensor<T, 4>({b, n, h, hd});  // (B, N, H, hd)
-    saved_.lse = Tensor<T, 3>({b, 2 * h, n});   // (B, 2H, N)
+    saved_.attn = Tensor<C, 4>({b, n, h, hd});  // (B, N, H, hd)
+    saved_.lse = Tensor<C, 3>({b, 2 * h, n});   // (B, 2H, N)
     if (seqs) {
       using detail::drop_batch;
-      diff_attention_v2_varlen<T>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
-                                  drop_batch(saved_.v.cview()),
-                                  drop_batch(saved_.lambda_logit.cview()),
-                                  drop_batch(saved_.attn.view()), drop_batch(saved_.lse.view()),
-                                  saved_.seqs, options());
+      diff_attention_v2_varlen<C>(
+          drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
+          drop_batch(saved_.lambda_logit.cview()), drop_batch(saved_.attn.view()),
+          drop_batch(saved_.lse.view()), saved_.seqs, options());
     } else {
-      diff_attention_v2<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
+      diff_attention_v2<C>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn.view(),
                            saved_.lse.view(), options());
     }
-    Tensor<T, 3> y({b, n, e});  // (B, N, E)
+    Tensor<T, 3> y({b, n, e});  // (B, N, E), rounded once for a 16-bit layer
     detail::module_linear(saved_.attn.data(), rows, h * hd, o_proj_.data(), e, y.data(),
                           num_threads_);
     saved_.position_offset = position_offset;
     saved_.valid = true;
+    if constexpr (!kTrainable) saved_ = Saved{};  // no backward: keep nothing
     return y;
   }
 
@@ -376,36 +430,44 @@ class MultiheadDiffAttnV2 {
   }
 
   // q (B, N, 2H, hd) and k (B, N, Hkv, hd) after rope, v (B, N, Hkv, hd) and
-  // lambda_logit (B, N, H), from the contiguous x (B, N, E).
+  // lambda_logit (B, N, H), from the contiguous x (B, N, E): in C, from T
+  // weights widened as they are packed.
   void project(const Tensor<T, 3>& x, index_t position_offset, const std::vector<index_t>* cu,
-               Tensor<T, 4>& q, Tensor<T, 4>& k, Tensor<T, 4>& v,
-               Tensor<T, 3>& lambda_logit) const {
+               Tensor<C, 4>& q, Tensor<C, 4>& k, Tensor<C, 4>& v,
+               Tensor<C, 3>& lambda_logit) const {
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
     const index_t h = cfg_.num_heads, hkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
-    q = Tensor<T, 4>({b, n, 2 * h, hd});
-    k = Tensor<T, 4>({b, n, hkv, hd});
-    v = Tensor<T, 4>({b, n, hkv, hd});
-    lambda_logit = Tensor<T, 3>({b, n, h});
+    q = Tensor<C, 4>({b, n, 2 * h, hd});
+    k = Tensor<C, 4>({b, n, hkv, hd});
+    v = Tensor<C, 4>({b, n, hkv, hd});
+    lambda_logit = Tensor<C, 3>({b, n, h});
     detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, q.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, k.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, v.data(), num_threads_);
     detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, lambda_logit.data(),
                           num_threads_);
     if (cfg_.rope) {
-      detail::module_rope<T>(q.view(), position_offset, cu, cfg_.rope_base, false);
-      detail::module_rope<T>(k.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(q.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(k.view(), position_offset, cu, cfg_.rope_base, false);
     }
   }
 
-  std::vector<detail::ModuleParam<T>> param_list() {
-    const std::map<std::string, Tensor<T, 2>*> storage = {{"q_proj.weight", &q_proj_},
-                                                          {"k_proj.weight", &k_proj_},
-                                                          {"v_proj.weight", &v_proj_},
-                                                          {"o_proj.weight", &o_proj_},
-                                                          {"lambda_proj.weight", &lambda_proj_}};
-    std::vector<detail::ModuleParam<T>> l;
-    for (const auto& kv : parameter_shapes(cfg_))
-      l.push_back({kv.first, kv.second, storage.at(kv.first)->data()});
+  std::vector<detail::ModuleParam<T>> param_list() { return param_list(this); }
+  std::vector<detail::ModuleParam<const T>> param_list() const { return param_list(this); }
+
+  // The parameters in parameter_shapes' (name) order, with the storage of
+  // self (MultiheadDiffAttnV2 or const MultiheadDiffAttnV2).
+  template <class Self>
+  static auto param_list(Self* self) {
+    using P = std::conditional_t<std::is_const<Self>::value, const T, T>;
+    const std::map<std::string, P*> storage = {{"q_proj.weight", self->q_proj_.data()},
+                                               {"k_proj.weight", self->k_proj_.data()},
+                                               {"v_proj.weight", self->v_proj_.data()},
+                                               {"o_proj.weight", self->o_proj_.data()},
+                                               {"lambda_proj.weight", self->lambda_proj_.data()}};
+    std::vector<detail::ModuleParam<P>> l;
+    for (const auto& kv : parameter_shapes(self->cfg_))
+      l.push_back({kv.first, kv.second, storage.at(kv.first)});
     return l;
   }
 

@@ -5,14 +5,21 @@
 // run their own thread pools need the count they ask for, and bitwise equal
 // results for any count. Each task owns a block of kBlockM output rows and
 // accumulates over the depth in a fixed order.
+//
+// x, W and y may each be stored as bfloat16 or half (a 16-bit layer): the
+// product then runs in float, each element widened once where it is packed (W
+// into panels, a block of x rows into the block buffer) and each result
+// rounded once where it is written, so a 16-bit W is never widened whole.
 #pragma once
 
 #include <algorithm>
-#include <cstring>
+#include <type_traits>
 
 #include <Eigen/Core>
 
 #include "../config.hpp"
+#include "../types.hpp"
+#include "convert.hpp"
 #include "gemm.hpp"
 #include "parallel.hpp"
 #include "tile.hpp"
@@ -27,8 +34,10 @@ struct LinearWorkspace {
   ScratchBuffer<T> a;   // a block of A rows, zero-padded   (kBlockM, k)
   ScratchBuffer<T> c;   // the block's C                     (kBlockM, n padded)
   ScratchBuffer<T> at;  // A^T for dW                        (n_out, rows)
+  ScratchBuffer<T> wide_x;  // few rows of a 16-bit x, widened (rows, k)
+  ScratchBuffer<T> wide_w;  // one 16-bit W row, widened       (k)
   void trim() {
-    ScratchBuffer<T>* all[] = {&b, &a, &c, &at};
+    ScratchBuffer<T>* all[] = {&b, &a, &c, &at, &wide_x, &wide_w};
     std::size_t total = 0;
     for (auto* x : all) total += x->bytes();
     if (total > Workspace<T>::kRetainBytes)
@@ -44,9 +53,11 @@ inline LinearWorkspace<T>& thread_linear_workspace() {
 
 /// C (m, n) (+)= A (m, k) B. A row-major with leading dimension lda; B packed
 /// in column panels (panel p at bp + p * k * kNR, row t at + t * kNR); C
-/// row-major with leading dimension ldc.
-template <class T>
-void gemm_packed_b(index_t m, index_t n, index_t k, const T* a, index_t lda, const T* bp, T* c,
+/// row-major with leading dimension ldc. A and C may be stored narrower than
+/// T (SA, SC: bfloat16 or half): A's rows are widened as they are copied into
+/// the block buffer, C's rounded once as they are written.
+template <class T, class SA, class SC>
+void gemm_packed_b(index_t m, index_t n, index_t k, const SA* a, index_t lda, const T* bp, SC* c,
                    index_t ldc, bool accumulate, int threads) {
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
@@ -59,8 +70,7 @@ void gemm_packed_b(index_t m, index_t n, index_t k, const T* a, index_t lda, con
     LinearWorkspace<T>& ws = thread_linear_workspace<T>();
     const index_t i0 = blk * BM, rows = std::min(BM, m - i0), rows_pad = round_up(rows, MR);
     T* ab = ws.a.get(std::max<index_t>(rows_pad * k, 1));
-    for (index_t r = 0; r < rows; ++r)
-      std::memcpy(ab + r * k, a + (i0 + r) * lda, static_cast<std::size_t>(k) * sizeof(T));
+    for (index_t r = 0; r < rows; ++r) convert_row(a + (i0 + r) * lda, k, ab + r * k);
     std::fill(ab + rows * k, ab + rows_pad * k, T(0));
     T* cb = ws.c.get(rows_pad * npad);
     std::fill(cb, cb + rows_pad * npad, T(0));
@@ -73,22 +83,37 @@ void gemm_packed_b(index_t m, index_t n, index_t k, const T* a, index_t lda, con
       }
     }
     for (index_t r = 0; r < rows; ++r) {
-      T* dst = c + (i0 + r) * ldc;
+      SC* dst = c + (i0 + r) * ldc;
       const T* src = cb + r * npad;
       if (accumulate)
-        for (index_t j = 0; j < n; ++j) dst[j] += src[j];
+        for (index_t j = 0; j < n; ++j) dst[j] = static_cast<SC>(static_cast<T>(dst[j]) + src[j]);
       else
-        std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
+        convert_row(src, n, dst);
     }
   };
   parallel_tasks(blocks, std::min<int>(threads, static_cast<int>(blocks)), run_block,
                  [] { thread_linear_workspace<T>().trim(); });
 }
 
-/// y (rows, out) = x (rows, in) W^T, W (out, in): nn.Linear without bias.
-/// threads: 0 means the OpenMP default.
+/// Outputs per slab of a 16-bit W packed into float panels: 4 MiB of panels
+/// (1024 outputs at in = 1024), at least one panel. Re-reading the block of x
+/// rows once per slab costs 1 / slab of the products.
 template <class T>
-void linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y, int threads = 0) {
+constexpr index_t linear_slab_outputs(index_t in) {
+  constexpr index_t kSlabBytes = index_t(4) << 20, NR = TileConfig<T>::kNR;
+  const index_t slab = kSlabBytes / static_cast<index_t>(sizeof(T)) / std::max<index_t>(in, 1);
+  return std::max(NR, slab / NR * NR);
+}
+
+/// y (rows, out) = x (rows, in) W^T, W (out, in): nn.Linear without bias.
+/// threads: 0 means the OpenMP default. x, W and y are float or double, or
+/// bfloat16 / half with float products (all three share compute_t).
+template <class SX, class SW, class SY>
+void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
+            int threads = 0) {
+  using T = compute_t<SW>;
+  static_assert(std::is_same<compute_t<SX>, T>::value && std::is_same<compute_t<SY>, T>::value,
+                "linear: x, W and y compute in one type (float for bfloat16 / half)");
   constexpr index_t NR = TileConfig<T>::kNR;
   constexpr index_t kOutBlock = 64;
   // Below this many rows the dot products beat packing W (measured with
@@ -98,31 +123,50 @@ void linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y,
   if (rows < kDotRows) {
     // Few rows (decoding): packing W would cost more than the product. Dot
     // products against W's contiguous rows, threads over blocks of outputs.
+    // A 16-bit x is widened once for all tasks, a 16-bit W row by the task
+    // that owns it, once; the dot products are then the float ones.
     using Row = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+    const T* xc = nullptr;
+    if constexpr (std::is_same<SX, T>::value)
+      xc = x;
+    else
+      xc = row_as<T>(x, rows * in, thread_linear_workspace<T>().wide_x.get(rows * in));
     const index_t blocks = (out + kOutBlock - 1) / kOutBlock;
     parallel_tasks(
         blocks, resolve_threads(threads, blocks),
         [&](index_t blk) {
+          T* wbuf = nullptr;
+          if constexpr (!std::is_same<SW, T>::value)
+            wbuf = thread_linear_workspace<T>().wide_w.get(in);
           for (index_t o = blk * kOutBlock; o < std::min(out, (blk + 1) * kOutBlock); ++o) {
-            const Row wo(w + o * in, in);
-            for (index_t r = 0; r < rows; ++r) y[r * out + o] = Row(x + r * in, in).dot(wo);
+            const Row wo(row_as<T>(w + o * in, in, wbuf), in);
+            for (index_t r = 0; r < rows; ++r)
+              y[r * out + o] = static_cast<SY>(Row(xc + r * in, in).dot(wo));
           }
         },
         [] {});
+    if constexpr (!std::is_same<SX, T>::value || !std::is_same<SW, T>::value)
+      thread_linear_workspace<T>().trim();
     return;
   }
-  const index_t npad = round_up(out, NR);
   const int nt = resolve_threads(threads, rows);
-  T* bp = thread_linear_workspace<T>().b.get(npad * in);
-  // B = W^T in panels of kNR outputs, packed in parallel.
-  parallel_tasks(
-      npad / NR, nt,
-      [&](index_t p) {
-        const index_t o0 = p * NR;
-        pack_rows_transposed(w + o0 * in, in, std::min(NR, out - o0), in, bp + o0 * in);
-      },
-      [] {});
-  gemm_packed_b(rows, out, in, x, in, bp, y, out, false, nt);
+  // B = W^T in panels of kNR outputs, packed in parallel. A 16-bit W is
+  // widened here, a slab of outputs at a time: panels of the whole W in float
+  // would take twice W's own bytes. Each output still sums over the depth in
+  // the same order, so slabs change no bit of y.
+  const index_t slab = std::is_same<SW, T>::value ? out : linear_slab_outputs<T>(in);
+  for (index_t s0 = 0; s0 < out; s0 += slab) {
+    const index_t ns = std::min(slab, out - s0);
+    T* bp = thread_linear_workspace<T>().b.get(round_up(ns, NR) * in);
+    parallel_tasks(
+        round_up(ns, NR) / NR, nt,
+        [&](index_t p) {
+          const index_t o0 = p * NR;
+          pack_rows_transposed(w + (s0 + o0) * in, in, std::min(NR, ns - o0), in, bp + o0 * in);
+        },
+        [] {});
+    gemm_packed_b(rows, ns, in, x, in, bp, y + s0, out, false, nt);
+  }
 }
 
 /// Backward of linear: dw (out, in) += dy^T x and dx (rows, in) = dy W (or +=

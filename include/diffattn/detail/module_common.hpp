@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../config.hpp"
@@ -20,6 +21,7 @@
 #include "../kv_cache.hpp"
 #include "../kvcache_attention.hpp"
 #include "../tensor.hpp"
+#include "../types.hpp"
 #include "convert.hpp"
 #include "format.hpp"
 #include "linear.hpp"
@@ -30,11 +32,12 @@ DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
 /// y (rows, out) = x (rows, in) w^T, w (out, in) row-major as nn.Linear.weight,
-/// on `threads` threads (0: the OpenMP default).
-template <class T>
-void module_linear(const T* x, index_t rows, index_t in, const T* w, index_t out, T* y,
+/// on `threads` threads (0: the OpenMP default). In a 16-bit layer w (and the
+/// layer's input x, or its output y) are bfloat16 / half, the products float.
+template <class SX, class SW, class SY>
+void module_linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
                    int threads) {
-  linear<T>(x, rows, in, w, out, y, threads);
+  linear(x, rows, in, w, out, y, threads);
 }
 
 /// Backward of module_linear: dw (out, in) += dy^T x, and dx (rows, in) = dy w
@@ -44,6 +47,20 @@ template <class T>
 void module_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out,
                             const T* dy, T* dw, T* dx, bool accumulate_dx, int threads) {
   linear_backward<T>(x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);
+}
+
+/// A small parameter vector (a norm weight) as the compute type C: a view of
+/// p itself when it is stored as C, else of its widened copy in buf.
+template <class C, class T>
+TensorView<const C, 1> module_compute_view(const Tensor<T, 1>& p, Tensor<C, 1>& buf) {
+  if constexpr (std::is_same<C, T>::value) {
+    (void)buf;
+    return p.cview();
+  } else {
+    buf = Tensor<C, 1>(p.shape());
+    convert_row(p.data(), p.size(), buf.data());
+    return buf.cview();
+  }
 }
 
 /// Checks a layer configuration's mask fields as validate_options does.
@@ -177,11 +194,13 @@ void module_add(T* dst, const T* src, index_t n) {
 
 /// Gradient storage of a layer: one zero-initialised buffer per parameter,
 /// keyed and sized as the parameters, so that an optimizer pairs them by name.
+/// None for a 16-bit layer, which has no backward.
 template <class T>
 class ModuleGrads {
  public:
   ModuleGrads() = default;
   explicit ModuleGrads(const std::map<std::string, std::vector<index_t>>& shapes) {
+    if (is_half_storage_v<T>) return;
     for (const auto& kv : shapes) {
       index_t n = 1;
       for (const index_t e : kv.second) n *= e;
@@ -263,6 +282,20 @@ struct ModuleParam {
     return n;
   }
 };
+
+/// Selects a layer's constructor that allocates the parameters and leaves them
+/// zero, for a constructor that fills them itself.
+struct ModuleNoInit {};
+
+/// Copies the parameters `src` of a layer of another type into `dst`, the
+/// same list of a layer of T (same config), each element converted once
+/// (convert_row: to nearest even when T is narrower).
+template <class U, class T>
+void module_convert_params(const std::vector<ModuleParam<const U>>& src,
+                           const std::vector<ModuleParam<T>>& dst) {
+  for (std::size_t i = 0; i < dst.size(); ++i)
+    convert_row(src[i].data, dst[i].numel(), dst[i].data);
+}
 
 /// Total element count of a set of shapes.
 inline index_t module_count(const std::map<std::string, std::vector<index_t>>& shapes) {
@@ -352,12 +385,13 @@ void module_load(const char* fn, const std::string& path, const std::string& pre
     std::copy(staged[i].begin(), staged[i].end(), params[i].data);
 }
 
-/// Writes every parameter as prefix + name in T's dtype, with metadata format=pt.
+/// Writes every parameter as prefix + name in T's dtype (a 16-bit T: BF16 or
+/// F16, bit for bit), with metadata format=pt.
 template <class T>
 void module_save(const std::string& path, const std::string& prefix,
-                 const std::vector<ModuleParam<T>>& params) {
+                 const std::vector<ModuleParam<const T>>& params) {
   std::map<std::string, safetensors::TensorData> tensors;
-  for (const ModuleParam<T>& p : params)
+  for (const ModuleParam<const T>& p : params)
     tensors[prefix + p.name] = safetensors::make_tensor<T>(p.shape, p.data);
   write_safetensors(path, tensors, {{"format", "pt"}});
 }
