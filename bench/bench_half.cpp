@@ -145,8 +145,10 @@ void prefill_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, float)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16)->Apply(decode_args);
+BENCHMARK_TEMPLATE(BM_HalfDecode_V2, diffattn::half)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, float)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, bfloat16)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, diffattn::half)->Apply(prefill_args);
 
 int main(int argc, char** argv) {
   print_memory();

@@ -25,6 +25,17 @@ inline void convert_row(const S* src, index_t n, D* dst) {
     std::copy(src, src + n, dst);
   } else {
     index_t i = 0;
+#if defined(__F16C__) && defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (std::is_same<D, float>::value && std::is_same<S, half>::value) {
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(src + i))));
+    } else if constexpr (std::is_same<S, float>::value && std::is_same<D, half>::value) {
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
 #if defined(EIGEN_VECTORIZE_AVX)
     using Eigen::internal::Packet8f;
     using Eigen::internal::pcast;
@@ -67,8 +78,29 @@ inline Packet pload_widened(const S* p) {
   using C = typename Eigen::internal::unpacket_traits<Packet>::type;
   using Eigen::internal::pcast;
   using Eigen::internal::ploadu;
+  constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
   if constexpr (std::is_same<S, C>::value) {
     return ploadu<Packet>(p);
+#if defined(__F16C__)
+    // half: the F16C instructions, which Eigen 3.4 does not use under GCC
+    // (EIGEN_HAS_FP16_C is left undefined there).
+#if defined(EIGEN_VECTORIZE_AVX512)
+  } else if constexpr (std::is_same<C, float>::value && P == 16 && std::is_same<S, half>::value) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+  } else if constexpr (std::is_same<C, float>::value && P == 8 && std::is_same<S, half>::value) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  } else if constexpr (std::is_same<C, float>::value && P == 4 && std::is_same<S, half>::value) {
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#endif
+#if defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+    // bfloat16 is the upper half of a float: interleave zeros below it.
+  } else if constexpr (std::is_same<C, float>::value && P == 4 && std::is_same<S, bfloat16>::value) {
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(
+        _mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
 #if defined(EIGEN_VECTORIZE_AVX512)
   } else if constexpr ((std::is_same<C, float>::value &&
                         Eigen::internal::unpacket_traits<Packet>::size == 16) &&
@@ -90,7 +122,6 @@ inline Packet pload_widened(const S* p) {
     return pcast<Eigen::internal::Packet8h, Packet>(ploadu<Eigen::internal::Packet8h>(p));
 #endif
   } else {
-    constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
     alignas(64) C tmp[P];
     for (int i = 0; i < P; ++i) tmp[i] = static_cast<C>(p[i]);
     return Eigen::internal::pload<Packet>(tmp);
