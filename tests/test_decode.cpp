@@ -292,6 +292,17 @@ TEST_CASE("prefill chunks against a cache, windows", "[decode]") {
   }
 }
 
+TEST_CASE("decoding with head widths that are not whole packets", "[decode]") {
+  // Scores are packets of partial sums over the whole packets of d (4, 8 or
+  // 16 floats by instruction set) plus the remaining features one by one;
+  // keys come in blocks of one packet, the last one partial.
+  std::uint64_t seed = 32500;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t d : {3, 16, 21, 40})
+      for (index_t n : {1, 3})
+        check_case(Case{kind, n, kind == Kind::v2 ? 2 : 4, 1, d, 45, {45, 17, 3}, true}, seed += 10);
+}
+
 TEST_CASE("decoding splits long caches into chunks", "[decode]") {
   // Longer than kSplitKeys: the default split runs.
   std::uint64_t seed = 33000;
