@@ -203,19 +203,6 @@ EIGEN_ALWAYS_INLINE void axpy_rows(const S* v, index_t dv, C* o, index_t ostep, 
 /// distances (8-64 KiB) and prefetching into L1.
 constexpr index_t kDecodeAheadBytes = index_t(128) << 10;
 
-/// Asks for the `width` values at p to be brought into L2.
-template <class T>
-inline void prefetch_row_l2(const T* p, index_t width) {
-#if defined(__GNUC__) || defined(__clang__)
-  const char* c = reinterpret_cast<const char*>(p);
-  const index_t bytes = width * static_cast<index_t>(sizeof(T));
-  for (index_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
-#else
-  (void)p;
-  (void)width;
-#endif
-}
-
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them.
@@ -281,7 +268,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       const index_t j = j0 + jj;
       if (kpre && j + kahead < jhi) {
         const KV* ahead = p.key_row(sq, j + kahead, 0);
-        for (index_t h = 0; h < dl.groups * kh; ++h) prefetch_row_l2(ahead + h * ksh, d);
+        for (index_t h = 0; h < dl.groups * kh; ++h) prefetch_row<1>(ahead + h * ksh, d);
       }
       const KV* k0 = p.key_row(sq, j, 0);
       for (index_t g = 0; g < dl.groups; ++g)
@@ -328,7 +315,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   for (index_t j = jlo; j < jhi; ++j) {
     if (vpre && j + vahead < jhi) {
       const KV* ahead = p.value_row(sq, j + vahead, 0);
-      for (index_t g = 0; g < dl.groups; ++g) prefetch_row_l2(ahead + g * vsh, dv);
+      for (index_t g = 0; g < dl.groups; ++g) prefetch_row<1>(ahead + g * vsh, dv);
     }
     const KV* v0 = p.value_row(sq, j, 0);
     for (index_t g = 0; g < dl.groups; ++g) {

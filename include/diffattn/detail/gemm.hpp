@@ -81,13 +81,14 @@ inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, ind
 /// Rows fetched ahead while packing.
 constexpr index_t kPrefetchRows = 4;
 
-/// Hints that the `width` elements at p will be read soon.
-template <class T>
+/// Hints that the `width` elements at p will be read soon: Locality 3 into
+/// every cache level (L1 on), 1 into L2 and beyond.
+template <int Locality = 3, class T>
 inline void prefetch_row(const T* p, index_t width) {
 #if defined(__GNUC__) || defined(__clang__)
   const char* c = reinterpret_cast<const char*>(p);
   const index_t bytes = width * static_cast<index_t>(sizeof(T));
-  for (index_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (index_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, Locality);
 #else
   (void)p;
   (void)width;
