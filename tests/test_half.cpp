@@ -20,6 +20,13 @@
 // takes its dot products four query rows at a time (decode_kernel.hpp), in
 // another order than the float cache's path: there e_f is replaced by the
 // float kernel's bound itself, max(2 x naive float error, 2e-5).
+//
+// bfloat16 q and k in a build for AVX512-BF16 (detail::use_bf16_dot): the
+// tiled path computes S = Q K^T with bf16 dot products on the unscaled
+// queries and scales the scores (detail/bf16_dot.hpp), a float sum of the
+// same exact products in another order. out_S is then no longer bitwise
+// round_S(out_f); like the decoding step it is held to the bound with e_f the
+// float kernel's bound, and lse to the float tolerance.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +36,7 @@
 
 #include <catch2/catch.hpp>
 #include <diffattn/attention.hpp>
+#include <diffattn/detail/bf16_dot.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
@@ -56,6 +64,11 @@ template <class S>
 constexpr double unit_roundoff() {
   return std::is_same<S, bfloat16>::value ? 1.0 / 256 : 1.0 / 2048;
 }
+/// True when the tiled path of S storage runs Q K^T on bf16 dot products, so
+/// that it is not bitwise the float kernel's (see the top).
+template <class S>
+constexpr bool kBf16Dot = diffattn::detail::use_bf16_dot<S, S>;
+
 template <class S>
 const char* type_name() {
   return std::is_same<S, bfloat16>::value ? "bfloat16" : "half";
@@ -221,7 +234,7 @@ void check_forward(Kind kind, const Shape& s, AttentionOptions o, std::uint64_t 
   run<float, false>(kind, xf.q, xf.k, xf.v, xf.logit, out_f, lse_f, o);
   run<float, true>(kind, xf.q, xf.k, xf.v, xf.logit, naive_f, lse_naive, o);
   run<double, true>(kind, xd.q, xd.k, xd.v, xd.logit, ref, lse_ref, o);
-  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6);
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6 && !kBf16Dot<S>);
 }
 
 AttentionOptions opts(bool causal, index_t window_left = -1) {
@@ -286,8 +299,97 @@ TEST_CASE("16-bit varlen batches equal the float kernel rounded once", "[half][v
   diffattn::diff_attention_v2_varlen<bfloat16>(q, k, v, logit, out, lse, seqs, o);
   diffattn::diff_attention_v2_varlen<float>(cast<float>(q), cast<float>(k), cast<float>(v),
                                             cast<float>(logit), out_f, lse_f, seqs, o);
-  REQUIRE(test::bitwise_equal(out, cast<bfloat16>(out_f)));
-  REQUIRE(test::bitwise_equal(lse, lse_f));
+  if (!kBf16Dot<bfloat16>) {
+    REQUIRE(test::bitwise_equal(out, cast<bfloat16>(out_f)));
+    REQUIRE(test::bitwise_equal(lse, lse_f));
+    return;
+  }
+  // bf16 dot products: both kernels within e_f <= 2e-5 of the exact result
+  // (d = 8: the naive float error is near 1e-7), out rounded once more.
+  const double u = unit_roundoff<bfloat16>(), e_f = 2e-5;
+  INFO("bfloat16 varlen against the float kernel: " << rel_error(out, out_f));
+  REQUIRE(rel_error(out, out_f) <= u * (1 + e_f) + 2 * e_f);
+  for (index_t i = 0; i < lse.size(); ++i) {
+    const double want = lse_f.data()[i];
+    if (std::isinf(want))
+      REQUIRE(lse.data()[i] == lse_f.data()[i]);
+    else
+      REQUIRE(std::abs(lse.data()[i] - want) <= 2e-5 * (1 + std::abs(want)));
+  }
+}
+
+TEST_CASE("16-bit tiled results do not depend on the thread count", "[half][threads]") {
+  std::uint64_t seed = 73100;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    const Shape s{2, 131, 140, 2, 1, 9};
+    const Inputs<bfloat16> xs = make_inputs<bfloat16>(kind, s, seed += 10);
+    const Dims dm = dims(kind, s.H, s.Hkv, s.d);
+    Tensor<bfloat16, 4> first({s.B, s.N, dm.oh, dm.dv});
+    Tensor<float, 3> lse_first({s.B, dm.qh, s.N});
+    for (int threads : {1, 2, 3, 5}) {
+      INFO(name(kind) << " threads " << threads);
+      AttentionOptions o = opts(true);
+      o.num_threads = threads;
+      Tensor<bfloat16, 4> out({s.B, s.N, dm.oh, dm.dv});
+      Tensor<float, 3> lse({s.B, dm.qh, s.N});
+      run<bfloat16, false>(kind, xs.q, xs.k, xs.v, xs.logit, out, lse, o);
+      if (threads == 1) {
+        first = out;
+        lse_first = lse;
+      }
+      REQUIRE(test::bitwise_equal(out, first));
+      REQUIRE(test::bitwise_equal(lse, lse_first));
+    }
+  }
+}
+
+TEST_CASE("bf16 pairs: packing layout, and the dot-product micro-kernel's bound",
+          "[half][bf16dot]") {
+  namespace dt = diffattn::detail;
+  constexpr index_t NR = dt::TileConfig<float>::kNR;
+  for (index_t d : {1, 2, 5, 8, 64, 127}) {
+    INFO("d = " << d);
+    const index_t rows = 6, keys = NR + 3, dk = dt::bf16_pairs(d);
+    const auto q = cast<bfloat16>(random_tensor<float, 2>({rows, d}, 73200 + d));
+    const auto k = cast<bfloat16>(random_tensor<float, 2>({keys, d}, 73300 + d));
+    std::vector<std::uint32_t> qp(static_cast<std::size_t>(rows * dk));
+    for (index_t r = 0; r < rows; ++r) dt::pack_query_pairs(&q(r, 0), d, qp.data() + r * dk);
+    dt::ScratchBuffer<std::uint32_t> kp;  // 64-byte aligned, as the kernel's
+    std::uint32_t* panels = kp.get(dt::round_up(keys, NR) * dk);
+    dt::pack_pairs_transposed_from([&](index_t j) { return &k(j, 0); }, keys, d, panels);
+    // Layout: element t of key j in half t % 2 of word t / 2 of its panel; zero padding.
+    auto half_of = [](std::uint32_t w, index_t h) { return (w >> (16 * h)) & 0xffffu; };
+    for (index_t j = 0; j < dt::round_up(keys, NR); ++j)
+      for (index_t t = 0; t < 2 * dk; ++t) {
+        const std::uint32_t w = panels[(j / NR) * NR * dk + (t / 2) * NR + j % NR];
+        const std::uint32_t want = j < keys && t < d ? k(j, t).value : 0u;
+        REQUIRE(half_of(w, t % 2) == want);
+      }
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t t = 0; t < 2 * dk; ++t)
+        REQUIRE(half_of(qp[static_cast<std::size_t>(r * dk + t / 2)], t % 2) ==
+                (t < d ? q(r, t).value : 0u));
+#if defined(__AVX512BF16__)
+    // Scores: s q.k with exact products summed in float, then scaled once:
+    // |s^ - s q.k| <= (gamma_d + u_f) s sum_t |q_t k_t|, u_f = 2^-24.
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const double uf = std::ldexp(1.0, -24), bound = d * uf / (1 - d * uf) + uf;
+    std::vector<float> sc(static_cast<std::size_t>(rows * NR * 2));
+    for (index_t p0 = 0; p0 < dt::round_up(keys, NR); p0 += NR) {
+      dt::micro_kernel_bf16(dk, qp.data(), dk, panels + p0 * dk, sc.data(), NR, scale);
+      for (index_t r = 0; r < rows; ++r)
+        for (index_t c = 0; c < NR; ++c) {
+          double exact = 0, abs_sum = 0;
+          for (index_t t = 0; t < d && p0 + c < keys; ++t) {
+            exact += double(q(r, t)) * double(k(p0 + c, t));
+            abs_sum += std::abs(double(q(r, t)) * double(k(p0 + c, t)));
+          }
+          const double got = sc[static_cast<std::size_t>(r * NR + c)];
+          REQUIRE(std::abs(got - scale * exact) <= bound * scale * abs_sum + 1e-30);
+        }
+    }
+#endif
+  }
 }
 
 namespace {
@@ -394,7 +496,8 @@ void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, inde
   Tensor<S, 4> out_s(os);
   Tensor<float, 3> lse_s(ls);
   run_kvcache<S, S>(kind, xs, xs.k, xs.v, cache, out_s, lse_s, o);
-  const bool tiled = n >= 6;  // decoding steps order their sums differently (see the top)
+  // Decoding steps and bf16 dot products order their sums differently (see the top).
+  const bool tiled = n >= 6 && !kBf16Dot<S>;
   check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, tiled);
 
   // Paged S caches: bitwise the contiguous result.

@@ -32,6 +32,7 @@
 #include "../config.hpp"
 #include "../lambda.hpp"
 #include "../options.hpp"
+#include "bf16_dot.hpp"
 #include "block_info.hpp"
 #include "convert.hpp"
 #include "decode_kernel.hpp"
@@ -59,6 +60,11 @@ namespace detail {
 /// queries, panels, scores, W, the output block) is the compute type C
 /// (float for 16-bit storage). Each stored element is converted once: queries
 /// when scaled, keys and values when packed, output rows when written.
+///
+/// bfloat16 q and k under AVX512-BF16 (use_bf16_dot, bf16_dot.hpp): queries
+/// and keys are packed as bf16 pairs instead, unscaled and unwidened, and
+/// S = Q K^T runs on bf16 dot products with the scale applied to each score;
+/// the rest is the same.
 template <class T, class KV, class C = compute_t<T>>
 void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, index_t blk,
                    Workspace<C>& ws, std::uint64_t call_id) {
@@ -76,6 +82,8 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   const int maps = p.maps();
   const bool shared_k = p.kind != AttnKind::v1;  // V2 and plain: one key head
   const HeadMap hm = head_map(p, oh);
+  constexpr bool dot = use_bf16_dot<T, KV>;
+  const index_t dk = dot ? bf16_pairs(d) : d;  // packed depth: words of bf16 pairs, or floats
 
   // Tile r holds rows [r MR, r MR + MR): the union of their keys is
   // [tile_lo, tile_hi), the keys all of them see [shared_lo, shared_hi).
@@ -86,17 +94,26 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   const index_t kbase = br.begin(0) / NR * NR;
   const index_t lds = round_up(kend_block - kbase, NR);  // (rows_pad, lds) score rows
 
-  // 1. Scaled queries (rows_pad, d); padding rows are zero.
+  // 1. Scaled queries (rows_pad, d), or unscaled bf16 pairs (rows_pad, dk);
+  //    padding rows are zero.
   C* qs[2] = {nullptr, nullptr};
+  std::uint32_t* qp[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) {
-    qs[m] = ws.q[m].get(rows_pad * d);
-    for (index_t ii = 0; ii < rows; ++ii) {
-      const T* src = &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
-      C* dst = qs[m] + ii * d;
-      const C* row = row_as<C>(src, d, dst);
-      for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
+    if constexpr (dot) {
+      qp[m] = ws.q_pairs[m].get(rows_pad * dk);
+      for (index_t ii = 0; ii < rows; ++ii)
+        pack_query_pairs(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, qp[m] + ii * dk);
+      std::fill(qp[m] + rows * dk, qp[m] + rows_pad * dk, 0u);
+    } else {
+      qs[m] = ws.q[m].get(rows_pad * d);
+      for (index_t ii = 0; ii < rows; ++ii) {
+        const T* src = &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
+        C* dst = qs[m] + ii * d;
+        const C* row = row_as<C>(src, d, dst);
+        for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
+      }
+      std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
     }
-    std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
   }
 
   // 2. Key and value panels of [kbase, kend_block), reused while the same (call,
@@ -114,8 +131,11 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     const index_t prows = kend_block - pbegin;
     for (int m = 0; m < kbufs; ++m) {
       const index_t kh = hm.k[m];
-      pack_rows_transposed_from([&](index_t r) { return p.key_row(sq, pbegin + r, kh); }, prows, d,
-                                ws.k[m].get(round_up(prows, NR) * d));
+      auto key = [&](index_t r) { return p.key_row(sq, pbegin + r, kh); };
+      if constexpr (dot)
+        pack_pairs_transposed_from(key, prows, d, ws.k_pairs[m].get(round_up(prows, NR) * dk));
+      else
+        pack_rows_transposed_from(key, prows, d, ws.k[m].get(round_up(prows, NR) * d));
     }
     // Values of the same keys in column panels, read by O = W V.
     pack_cols_from([&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); }, prows, dv,
@@ -131,13 +151,17 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   C* s[2] = {nullptr, nullptr};
   for (int m = 0; m < maps; ++m) s[m] = ws.s[m].get(rows_pad * lds);
   for (int m = 0; m < maps; ++m) {
-    const C* kp = ws.k[shared_k ? 0 : m].get(0) + (kbase - ws.packed_begin) * d;
+    const int km = shared_k ? 0 : m;
     for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
-      const C* panel = kp + (j0 - kbase) * d;
+      const index_t panel = (j0 - ws.packed_begin) * dk;  // offset of the keys' panel
       for (index_t r = 0; r < tiles; ++r) {
         if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
-        micro_kernel<C>(d, qs[m] + r * MR * d, d, panel, NR, s[m] + r * MR * lds + (j0 - kbase),
-                        lds, false);
+        C* st = s[m] + r * MR * lds + (j0 - kbase);
+        if constexpr (dot)
+          micro_kernel_bf16(dk, qp[m] + r * MR * dk, dk, ws.k_pairs[km].get(0) + panel, st, lds,
+                            p.scale);
+        else
+          micro_kernel<C>(d, qs[m] + r * MR * d, d, ws.k[km].get(0) + panel, NR, st, lds, false);
       }
     }
   }

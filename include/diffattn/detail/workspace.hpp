@@ -54,6 +54,9 @@ struct Workspace {
   ScratchBuffer<T> o;     // output accumulator                  (kBlockM, dv)
   ScratchBuffer<T> lse;   // decoding: log-sum-exp of each query row's state (rows)
   ScratchBuffer<T> row;   // decoding: one 16-bit K, V or output row widened to T (d or dv)
+  // bf16 dot products (bf16_dot.hpp): q and k as pairs of bf16 per word, in place of q, k.
+  ScratchBuffer<std::uint32_t> q_pairs[2];  // (kBlockM, d / 2)
+  ScratchBuffer<std::uint32_t> k_pairs[2];  // (keys, d / 2) packed
 
   // Which keys k[] and v hold, [packed_begin, packed_end) of one sequence and kv
   // group, so that consecutive blocks of one head skip repacking.
@@ -62,10 +65,13 @@ struct Workspace {
 
   void trim() {
     ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o, &lse, &row};
+    ScratchBuffer<std::uint32_t>* pairs[] = {&q_pairs[0], &q_pairs[1], &k_pairs[0], &k_pairs[1]};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
+    for (auto* b : pairs) total += b->bytes();
     if (total > kRetainBytes) {
       for (auto* b : all) b->release();
+      for (auto* b : pairs) b->release();
       packed_call = 0;
     }
   }
