@@ -1,13 +1,18 @@
 // 16-bit storage against float: what bfloat16 buys where the kernels are
-// memory-bound (a decoding step reads the whole cache) and what it costs where
-// they are compute-bound (prefill: inputs widened once per tile, the products
-// in float either way).
+// memory-bound (a decoding step reads the whole cache) and where they are
+// compute-bound (prefill: inputs widened once per tile and the products in
+// float, except Q K^T of bfloat16 q and k under AVX512-BF16, which runs on
+// bf16 dot products: see detail/bf16_dot.hpp).
 //
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a
 //                         cache of S (float or bfloat16), M keys, B = 1.
 //   BM_HalfPrefill_V1<S>  V1 prefill, 8 DIFF heads of d = 64 (q, k (N, 16, 64),
 //                         v (N, 8, 128)), N = 2048, causal, everything in S.
+//   BM_HalfPrefill_V2<S>  V2 prefill, 16 query heads (8 DIFF pairs) on 8 kv
+//                         heads of d = 64, N = 2048, causal, everything in S.
+//   BM_HalfPrefill_Plain<S>  plain attention, 16 query heads on 8 kv heads of
+//                         d = 64, N = 2048, causal, everything in S.
 //
 // As in bench_decode.cpp, caches are rotated copies so that the working set
 // is at least 4 x 32 MiB (this machine's L3): a step reads its cache from
@@ -108,6 +113,43 @@ void BM_HalfPrefill_V1(benchmark::State& state) {
   set_counters(state, flops, static_cast<double>((q.size() + k.size() + v.size()) * sizeof(S)));
 }
 
+/// V2 (V2 = true) or plain prefill: 16 query heads on 8 kv heads of d = 64.
+template <class S, bool V2>
+void half_prefill_gqa(benchmark::State& state) {
+  const index_t N = state.range(0), d = kHeadDim;
+  const int threads = static_cast<int>(state.range(1));
+  Tensor<S, 4> q({1, N, kQueryHeads, d}), k({1, N, kKvHeads, d}), v({1, N, kKvHeads, d});
+  Tensor<S, 3> logit({1, N, kQueryHeads / 2});
+  fill_uniform(q, 1);
+  fill_uniform(k, 2);
+  fill_uniform(v, 3);
+  fill_uniform(logit, 4);
+  Tensor<S, 4> out({1, N, V2 ? kQueryHeads / 2 : kQueryHeads, d});
+  diffattn::AttentionOptions o;
+  o.causal = true;
+  o.num_threads = threads;
+  for (auto _ : state) {
+    if constexpr (V2)
+      diffattn::diff_attention_v2<S>(q, k, v, logit, out, o);
+    else
+      diffattn::attention<S>(q, k, v, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  // Useful work: 16 score rows per query (2d flops per pair); W V once per
+  // output head (V2: 8, plain: 16).
+  const double heads_out = V2 ? kQueryHeads / 2 : kQueryHeads;
+  const double flops = visible_pairs(N) * (kQueryHeads * 2.0 * d + heads_out * 2.0 * d);
+  set_counters(state, flops, static_cast<double>((q.size() + k.size() + v.size()) * sizeof(S)));
+}
+template <class S>
+void BM_HalfPrefill_V2(benchmark::State& state) {
+  half_prefill_gqa<S, true>(state);
+}
+template <class S>
+void BM_HalfPrefill_Plain(benchmark::State& state) {
+  half_prefill_gqa<S, false>(state);
+}
+
 /// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
 /// tokens, float against bfloat16.
 void print_memory() {
@@ -149,6 +191,10 @@ BENCHMARK_TEMPLATE(BM_HalfDecode_V2, diffattn::half)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, float)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, bfloat16)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, diffattn::half)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_V2, float)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_V2, bfloat16)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_Plain, float)->Apply(prefill_args);
+BENCHMARK_TEMPLATE(BM_HalfPrefill_Plain, bfloat16)->Apply(prefill_args);
 
 int main(int argc, char** argv) {
   print_memory();
