@@ -7,6 +7,9 @@
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a
 //                         cache of S (float or bfloat16), M keys, B = 1.
+//   BM_HalfLayerDecode_V2<S>  one token through a V2 layer (E = 512) whose
+//                         parameters, x, y and cache are all S, after 32k
+//                         cached tokens; bytes: weights and cache read.
 //   BM_HalfPrefill_V1<S>  V1 prefill, 8 DIFF heads of d = 64 (q, k (N, 16, 64),
 //                         v (N, 8, 128)), N = 2048, causal, everything in S.
 //   BM_HalfPrefill_V2<S>  V2 prefill, 16 query heads (8 DIFF pairs) on 8 kv
@@ -150,6 +153,53 @@ void BM_HalfPrefill_Plain(benchmark::State& state) {
   half_prefill_gqa<S, false>(state);
 }
 
+/// One token through a V2 layer of the benchmark's shape (E = 512, 8 DIFF
+/// heads on 8 kv heads of 64) with parameters, x, y and cache all stored as
+/// S, after M cached tokens: the step reads the layer's weights and its whole
+/// cache (M rows of 8 kv heads). The cache is filled through KVCache's row
+/// calls with random keys and values (a prefill of 32k tokens would take
+/// seconds) and refilled, outside the timing, when its spare rows run out.
+template <class S>
+void BM_HalfLayerDecode_V2(benchmark::State& state) {
+  const index_t M = state.range(0), spare = 256;
+  diffattn::DiffAttnV2Config cfg;
+  cfg.embed_dim = kQueryHeads / 2 * kHeadDim;
+  cfg.num_heads = kQueryHeads / 2;
+  cfg.num_kv_heads = kKvHeads;
+  cfg.causal = true;
+  diffattn::MultiheadDiffAttnV2<float> reference_layer(cfg, 1);
+  diffattn::MultiheadDiffAttnV2<S> layer(reference_layer);
+  layer.set_num_threads(2);
+  auto cache = layer.make_cache(1, M + spare);
+  Tensor<S, 4> rows({1, M, kKvHeads, kHeadDim});
+  fill_uniform(rows, 5);
+  auto refill = [&] {
+    cache.clear();
+    const index_t at = cache.reserve(M);
+    auto k = cache.key_rows(at, M);
+    auto v = cache.value_rows(at, M);
+    std::copy(rows.data(), rows.data() + rows.size(), k.data());
+    std::copy(rows.data(), rows.data() + rows.size(), v.data());
+    cache.commit(M);
+  };
+  refill();
+  Tensor<S, 3> x({1, 1, cfg.embed_dim});
+  fill_uniform(x, 6);
+  for (auto _ : state) {
+    if (cache.size() == cache.capacity()) {
+      state.PauseTiming();
+      refill();
+      state.ResumeTiming();
+    }
+    auto y = layer.forward(x, cache);
+    benchmark::DoNotOptimize(y.data());
+  }
+  std::size_t weight_bytes = 0;
+  for (const auto& kv : layer.parameters())
+    weight_bytes += static_cast<std::size_t>(kv.second.size()) * sizeof(S);
+  set_counters(state, 0, static_cast<double>(weight_bytes + cache.bytes() * M / (M + spare)));
+}
+
 /// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
 /// tokens, float against bfloat16.
 void print_memory() {
@@ -188,6 +238,9 @@ void prefill_args(benchmark::internal::Benchmark* b) {
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, float)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, diffattn::half)->Apply(decode_args);
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, float)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, bfloat16)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, diffattn::half)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, float)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, bfloat16)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, diffattn::half)->Apply(prefill_args);
