@@ -6,7 +6,7 @@
 //
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a
-//                         cache of S (float or bfloat16), M keys, B = 1.
+//                         cache of S (float, bfloat16 or half), M keys, B = 1.
 //   BM_HalfLayerDecode_V2<S>  one token through a V2 layer (E = 512) whose
 //                         parameters, x, y and cache are all S, after 32k
 //                         cached tokens; bytes: weights and cache read.
