@@ -153,6 +153,17 @@ void BM_HalfPrefill_Plain(benchmark::State& state) {
   half_prefill_gqa<S, false>(state);
 }
 
+/// The V2 layer of the benchmark's shape: E = 512, 8 DIFF heads (16 query
+/// heads) on 8 kv heads of 64, causal.
+diffattn::DiffAttnV2Config layer_config() {
+  diffattn::DiffAttnV2Config cfg;
+  cfg.embed_dim = kQueryHeads / 2 * kHeadDim;
+  cfg.num_heads = kQueryHeads / 2;
+  cfg.num_kv_heads = kKvHeads;
+  cfg.causal = true;
+  return cfg;
+}
+
 /// One token through a V2 layer of the benchmark's shape (E = 512, 8 DIFF
 /// heads on 8 kv heads of 64) with parameters, x, y and cache all stored as
 /// S, after M cached tokens: the step reads the layer's weights and its whole
@@ -162,11 +173,7 @@ void BM_HalfPrefill_Plain(benchmark::State& state) {
 template <class S>
 void BM_HalfLayerDecode_V2(benchmark::State& state) {
   const index_t M = state.range(0), spare = 256;
-  diffattn::DiffAttnV2Config cfg;
-  cfg.embed_dim = kQueryHeads / 2 * kHeadDim;
-  cfg.num_heads = kQueryHeads / 2;
-  cfg.num_kv_heads = kKvHeads;
-  cfg.causal = true;
+  const diffattn::DiffAttnV2Config cfg = layer_config();
   diffattn::MultiheadDiffAttnV2<float> reference_layer(cfg, 1);
   diffattn::MultiheadDiffAttnV2<S> layer(reference_layer);
   layer.set_num_threads(2);
@@ -203,11 +210,7 @@ void BM_HalfLayerDecode_V2(benchmark::State& state) {
 /// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
 /// tokens, float against bfloat16.
 void print_memory() {
-  diffattn::DiffAttnV2Config cfg;
-  cfg.embed_dim = kQueryHeads / 2 * kHeadDim;
-  cfg.num_heads = kQueryHeads / 2;
-  cfg.num_kv_heads = kKvHeads;
-  cfg.causal = true;
+  const diffattn::DiffAttnV2Config cfg = layer_config();
   diffattn::MultiheadDiffAttnV2<float> layer(cfg, 1);
   diffattn::MultiheadDiffAttnV2<bfloat16> small(layer);
   const double mib = 1.0 / (1 << 20);
