@@ -41,6 +41,14 @@ struct TileConfig {
   /// window the first block packs every key and nothing is ever repacked.)
   static constexpr index_t kPackAhead = 8;
 
+  /// Vector registers of the target: 32 with AVX-512 and on AArch64, 16
+  /// with AVX2 / SSE. The decoding step sizes its register blocks by it.
+#if defined(__AVX512F__) || defined(__aarch64__)
+  static constexpr int kVectorRegisters = 32;
+#else
+  static constexpr int kVectorRegisters = 16;
+#endif
+
   static_assert(kBlockM % kMR == 0, "query blocks are whole register tiles");
 };
 
