@@ -15,7 +15,10 @@
 //   MQA     8 query heads on one kv head of d = 128, M = 256k, B = 1
 // The bytes counter is the K/V bytes a step reads (B x M rows of every kv head).
 //
-// Arguments: {M, B, threads}.
+// Arguments: {M, B, threads, warm}. warm = 1 (the BM_DecodeWarm_* runs): the
+// caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2), so
+// the step runs at the speed of its instructions, the bound on what any
+// memory could give it.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -87,7 +90,9 @@ void decode(benchmark::State& state, const Layer& L) {
   const int threads = static_cast<int>(state.range(2));
   const std::size_t kv_bytes =
       static_cast<std::size_t>(B * M) * static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4;
-  const std::size_t copies = std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
+  const bool warm = state.range(3) != 0;
+  const std::size_t copies =
+      warm ? 1 : std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
   std::vector<Tensor<float, 4>> ks, vs;
   for (std::size_t c = 0; c < copies; ++c) {
     ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
@@ -132,12 +137,14 @@ void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64})
 void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
 void BM_Decode_Plain16(benchmark::State& s) { decode(s, {Kind::plain, 16, 8, 8, 64, 64}); }
 void BM_Decode_MQA(benchmark::State& s) { decode(s, {Kind::plain, 8, 1, 1, 128, 128}); }
+void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
+void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
 
 void decode_sizes(benchmark::internal::Benchmark* b) {
-  for (long m : {4096, 32768, 131072}) b->Args({m, 1, 2});
-  b->Args({4096, 8, 2});
-  b->Args({4096, 1, 1});
-  b->Args({32768, 1, 1});
+  for (long m : {4096, 32768, 131072}) b->Args({m, 1, 2, 0});
+  b->Args({4096, 8, 2, 0});
+  b->Args({4096, 1, 1, 0});
+  b->Args({32768, 1, 1, 0});
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
@@ -149,9 +156,11 @@ BENCHMARK(BM_Decode_V2)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_Plain8)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_Plain16)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_MQA)
-    ->Args({262144, 1, 1})
-    ->Args({262144, 1, 2})
+    ->Args({262144, 1, 1, 0})
+    ->Args({262144, 1, 2, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_DecodeWarm_Plain8)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();
