@@ -7,6 +7,8 @@
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a
 //                         cache of S (float, bfloat16 or half), M keys, B = 1.
+//   BM_HalfDecode_V2<bfloat16, bfloat16>  the same with bfloat16 queries and
+//                         output, as in a 16-bit layer's step.
 //   BM_HalfLayerDecode_V2<S>  one token through a V2 layer (E = 512) whose
 //                         parameters, x, y and cache are all S, after 32k
 //                         cached tokens; bytes: weights and cache read.
@@ -60,7 +62,7 @@ void fill_uniform(Tensor<S, R>& t, std::uint64_t seed) {
   }
 }
 
-template <class S>
+template <class S, class Q = float>
 void BM_HalfDecode_V2(benchmark::State& state) {
   const index_t M = state.range(0), d = kHeadDim;
   const int threads = static_cast<int>(state.range(1));
@@ -73,9 +75,10 @@ void BM_HalfDecode_V2(benchmark::State& state) {
     fill_uniform(ks.back(), 2 * c + 1);
     fill_uniform(vs.back(), 2 * c + 2);
   }
-  const auto q = random4({1, 1, kQueryHeads, d}, 7);  // float queries, never rounded
-  Tensor<float, 3> logit({1, 1, kQueryHeads / 2});
-  Tensor<float, 4> out({1, 1, kQueryHeads / 2, d});
+  Tensor<Q, 4> q({1, 1, kQueryHeads, d});  // float queries are never rounded
+  fill_uniform(q, 7);
+  Tensor<Q, 3> logit({1, 1, kQueryHeads / 2});
+  Tensor<Q, 4> out({1, 1, kQueryHeads / 2, d});
   Tensor<index_t, 1> lens({1});
   lens(0) = M;
   KVCacheBatch cache;
@@ -88,7 +91,7 @@ void BM_HalfDecode_V2(benchmark::State& state) {
     const Tensor<S, 4>& k = ks[it % copies];
     const Tensor<S, 4>& v = vs[it % copies];
     ++it;
-    diffattn::diff_attention_v2_kvcache<float, S>(q, k, v, logit, out, {}, cache, o);
+    diffattn::diff_attention_v2_kvcache<Q, S>(q, k, v, logit, out, {}, cache, o);
     benchmark::DoNotOptimize(out.data());
   }
   state.counters["copies"] = static_cast<double>(copies);
@@ -241,6 +244,7 @@ void prefill_args(benchmark::internal::Benchmark* b) {
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, float)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, diffattn::half)->Apply(decode_args);
+BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16, bfloat16)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, float)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, bfloat16)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, diffattn::half)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -582,6 +582,14 @@ TEST_CASE("16-bit KV caches: decoding, prefill chunks, paged, split-KV", "[half]
   // Longer than the default split (1024 keys).
   for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
     check_kvcache<bfloat16>(kind, 1, 2, 1, 8, 3000, {3000, 1025}, opts(true), seed += 10);
+  // Head widths of whole and partial packets (16 floats with AVX-512, 8 with
+  // AVX2): the decoding step's blocks with their feature tails.
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t d : {40, 64, 128})
+      for (index_t n : {1, 2}) {
+        check_kvcache<bfloat16>(kind, n, 4, 2, d, 70, {70, 33, 17}, opts(true), seed += 10);
+        check_kvcache<half>(kind, n, 4, 2, d, 70, {70, 33, 17}, opts(false), seed += 10);
+      }
 }
 
 TEST_CASE("16-bit storage: bad input names the function and the argument", "[half][errors]") {
