@@ -245,9 +245,18 @@ BENCHMARK_TEMPLATE(BM_HalfDecode_V2, float)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, diffattn::half)->Apply(decode_args);
 BENCHMARK_TEMPLATE(BM_HalfDecode_V2, bfloat16, bfloat16)->Apply(decode_args);
-BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, float)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, bfloat16)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, diffattn::half)->Arg(32768)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, float)
+    ->Arg(32768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, bfloat16)
+    ->Arg(32768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerDecode_V2, diffattn::half)
+    ->Arg(32768)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, float)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, bfloat16)->Apply(prefill_args);
 BENCHMARK_TEMPLATE(BM_HalfPrefill_V1, diffattn::half)->Apply(prefill_args);

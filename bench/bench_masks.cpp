@@ -68,7 +68,8 @@ std::vector<index_t> packed_lengths() {
   for (double& x : w) sum += (x = 0.25 + rng.uniform());
   std::vector<index_t> l(8);
   index_t total = 0;
-  for (std::size_t i = 0; i + 1 < l.size(); ++i) total += (l[i] = static_cast<index_t>(8192 * w[i] / sum));
+  for (std::size_t i = 0; i + 1 < l.size(); ++i)
+    total += (l[i] = static_cast<index_t>(8192 * w[i] / sum));
   l.back() = 8192 - total;
   return l;
 }

@@ -159,7 +159,8 @@ Result run(Layer& layer, const Tensor<float, 3>& x, index_t prompt, index_t toke
   r.prefill_ms = now_ms() - t0;
   std::vector<Tensor<float, 3>> outs;
   const double t1 = now_ms();
-  for (index_t t = 0; t < tokens; ++t) outs.push_back(layer.forward(slice(x, prompt + t, 1), cache));
+  for (index_t t = 0; t < tokens; ++t)
+    outs.push_back(layer.forward(slice(x, prompt + t, 1), cache));
   const double decode_ms = now_ms() - t1;
   r.ms_per_token = decode_ms / double(tokens);
   r.weights = weight_bytes_of(layer);
@@ -260,10 +261,11 @@ int main(int argc, char** argv) {
                 100 * r.gbps / bw, r.max_err);
     ok = ok && std::isfinite(r.max_err) && r.max_err < 1e-4;
   }
-  std::printf("\nV1 / baseline per token %.2f, V2 / baseline %.2f; KV cache per token: baseline "
-              "%zu, V1 %zu, V2 %zu bytes\n",
-              r1.ms_per_token / rb.ms_per_token, r2.ms_per_token / rb.ms_per_token, rb.cache_bytes,
-              r1.cache_bytes, r2.cache_bytes);
+  std::printf(
+      "\nV1 / baseline per token %.2f, V2 / baseline %.2f; KV cache per token: baseline "
+      "%zu, V1 %zu, V2 %zu bytes\n",
+      r1.ms_per_token / rb.ms_per_token, r2.ms_per_token / rb.ms_per_token, rb.cache_bytes,
+      r1.cache_bytes, r2.cache_bytes);
   ok = ok && r1.cache_bytes == rb.cache_bytes && r2.cache_bytes == rb.cache_bytes;
   std::printf(ok ? "decoded outputs match the full recompute; all checks passed\n"
                  : "CHECK FAILED\n");

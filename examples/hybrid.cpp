@@ -47,8 +47,8 @@ Tensor<float, 3> materialised(MultiheadDiffAttnV2<float>& m, const Tensor<float,
   const index_t n = x.shape(1), hd = kHeadDim;
   const Tensor<float, 4> w = m.attention_maps(x);  // (1, H, n, n)
   auto params = m.parameters();
-  const float* wv = params.at("v_proj.weight").data();  // (Hkv hd, E)
-  const float* wo = params.at("o_proj.weight").data();  // (E, H hd)
+  const float* wv = params.at("v_proj.weight").data();                      // (Hkv hd, E)
+  const float* wo = params.at("o_proj.weight").data();                      // (E, H hd)
   std::vector<double> v(static_cast<std::size_t>(n * kKvHeads * hd), 0.0);  // (n, Hkv hd)
   for (index_t j = 0; j < n; ++j)
     for (index_t r = 0; r < kKvHeads * hd; ++r) {
@@ -127,10 +127,11 @@ int main(int argc, char** argv) {
   diffattn::detail::Rng rng(7);
   for (index_t i = 0; i < x.size(); ++i) x.data()[i] = static_cast<float>(rng.normal());
 
-  std::printf("hybrid stack: %lld DIFF V2 layers (E %lld, %lld heads on %lld kv heads of %lld), "
-              "%lld tokens, window %lld tokens on odd layers\n\n",
-              (long long)kLayers, (long long)kEmbed, (long long)kHeads, (long long)kKvHeads,
-              (long long)kHeadDim, (long long)tokens, (long long)window);
+  std::printf(
+      "hybrid stack: %lld DIFF V2 layers (E %lld, %lld heads on %lld kv heads of %lld), "
+      "%lld tokens, window %lld tokens on odd layers\n\n",
+      (long long)kLayers, (long long)kEmbed, (long long)kHeads, (long long)kKvHeads,
+      (long long)kHeadDim, (long long)tokens, (long long)window);
   run_stack(hybrid, x);  // warm-up: scratch buffers, pages
   const std::vector<double> th = run_stack(hybrid, x);
   const std::vector<double> tg = run_stack(global, x);
@@ -169,9 +170,10 @@ int main(int argc, char** argv) {
       den = std::max(den, double(std::abs(ref.data()[i])));
     }
     const double err = num / den;
-    std::printf("layer %lld (window %lld) vs materialised masked reference over %lld tokens: "
-                "max relative error %.2e\n",
-                (long long)l, (long long)window, (long long)n_check, err);
+    std::printf(
+        "layer %lld (window %lld) vs materialised masked reference over %lld tokens: "
+        "max relative error %.2e\n",
+        (long long)l, (long long)window, (long long)n_check, err);
     ok = ok && err < 1e-4;
   }
   // The window changes the result once a token has more than W predecessors.
@@ -182,9 +184,10 @@ int main(int argc, char** argv) {
       const double dlt = std::abs(yw(0, i, e) - yg(0, i, e));
       (i < window ? diff_early : diff_late) = std::max(i < window ? diff_early : diff_late, dlt);
     }
-  std::printf("windowed vs global layer 1: max |difference| %.2e on the first %lld tokens, %.2e "
-              "after\n",
-              diff_early, (long long)std::min(window, tokens), diff_late);
+  std::printf(
+      "windowed vs global layer 1: max |difference| %.2e on the first %lld tokens, %.2e "
+      "after\n",
+      diff_early, (long long)std::min(window, tokens), diff_late);
   ok = ok && diff_early < 1e-5 && (tokens <= window || diff_late > 1e-3);
   std::printf(ok ? "all checks passed\n" : "CHECK FAILED\n");
   return ok ? 0 : 1;

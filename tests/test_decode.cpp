@@ -300,7 +300,8 @@ TEST_CASE("decoding with head widths that are not whole packets", "[decode]") {
   for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
     for (index_t d : {3, 16, 21, 40})
       for (index_t n : {1, 3})
-        check_case(Case{kind, n, kind == Kind::v2 ? 2 : 4, 1, d, 45, {45, 17, 3}, true}, seed += 10);
+        check_case(Case{kind, n, kind == Kind::v2 ? 2 : 4, 1, d, 45, {45, 17, 3}, true},
+                   seed += 10);
 }
 
 TEST_CASE("decoding splits long caches into chunks", "[decode]") {

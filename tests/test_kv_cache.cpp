@@ -143,9 +143,9 @@ TEST_CASE("a full cache refuses an append and changes nothing", "[kv_cache]") {
   const Tensor<double, 3> full = m.forward(x);
   auto cache = m.make_cache(1, 8);
   m.forward(tokens(x, 0, 6), cache);
-  test::require_error([&] { m.forward(tokens(x, 6, 3), cache); },
-                      {"MultiheadDiffAttnV2::forward", "cannot append 3 tokens", "holding 6",
-                       "capacity 8"});
+  test::require_error(
+      [&] { m.forward(tokens(x, 6, 3), cache); },
+      {"MultiheadDiffAttnV2::forward", "cannot append 3 tokens", "holding 6", "capacity 8"});
   CHECK(cache.size() == 6);
   CHECK(cache.stored() == 6);
   // Still usable: the next two tokens match the full forward.

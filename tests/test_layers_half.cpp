@@ -477,22 +477,37 @@ TEST_CASE("16-bit layers convert to and from float, and hold half the bytes", "[
 
 TEST_CASE("16-bit layers: bad input names the argument and the shapes", "[layers][half][errors]") {
   MultiheadDiffAttnV1<bfloat16> m(v1(32, 2, 1), 1);
-  test::require_error([&] { m.forward(Tensor<bfloat16, 3>({2, 5, 31})); },
-                      {"MultiheadDiffAttnV1::forward", "x has shape (2, 5, 31)", "(B, N, 32)"});
+  test::require_error(
+      [&] {
+        m.forward(Tensor<bfloat16, 3>({2, 5, 31}));
+      },
+      {"MultiheadDiffAttnV1::forward", "x has shape (2, 5, 31)", "(B, N, 32)"});
   diffattn::PackedSequences seqs;
   seqs.cu_seqlens_q = {0, 3, 5};
-  test::require_error([&] { m.forward(Tensor<bfloat16, 3>({2, 5, 32}), seqs); },
-                      {"MultiheadDiffAttnV1::forward", "(1, T, E)", "(2, 5, 32)"});
+  test::require_error(
+      [&] {
+        m.forward(Tensor<bfloat16, 3>({2, 5, 32}), seqs);
+      },
+      {"MultiheadDiffAttnV1::forward", "(1, T, E)", "(2, 5, 32)"});
   auto cache = m.make_cache(2, 4);
-  test::require_error([&] { m.forward(Tensor<bfloat16, 3>({2, 5, 32}), cache); },
-                      {"MultiheadDiffAttnV1::forward", "cannot append 5 tokens", "capacity 4"});
+  test::require_error(
+      [&] {
+        m.forward(Tensor<bfloat16, 3>({2, 5, 32}), cache);
+      },
+      {"MultiheadDiffAttnV1::forward", "cannot append 5 tokens", "capacity 4"});
   CHECK(cache.size() == 0);
-  test::require_error([&] { m.forward(Tensor<bfloat16, 3>({3, 1, 32}), cache); },
-                      {"x has shape (3, 1, 32)", "batch 2"});
+  test::require_error(
+      [&] {
+        m.forward(Tensor<bfloat16, 3>({3, 1, 32}), cache);
+      },
+      {"x has shape (3, 1, 32)", "batch 2"});
   MultiheadDiffAttnV2<half> m2(v2(24, 2, 2), 1);
   auto other = MultiheadDiffAttnV2<half>(v2(24, 2, 1), 1).make_cache(1, 8);
-  test::require_error([&] { m2.forward(Tensor<half, 3>({1, 1, 24}), other); },
-                      {"MultiheadDiffAttnV2::forward", "make_cache"});
+  test::require_error(
+      [&] {
+        m2.forward(Tensor<half, 3>({1, 1, 24}), other);
+      },
+      {"MultiheadDiffAttnV2::forward", "make_cache"});
 
   // a BF16 file of the wrong shape changes nothing
   namespace st = diffattn::safetensors;
@@ -500,10 +515,10 @@ TEST_CASE("16-bit layers: bad input names the argument and the shapes", "[layers
   MultiheadDiffAttnV1<bfloat16> small(v1(16, 2, 1), 2);
   small.save_safetensors(path);
   const auto before = bits(m);
-  test::require_error([&] { m.load_safetensors(path); },
-                      {"MultiheadDiffAttnV1::load_safetensors",
-                       "'q_proj.weight' has shape (16, 16)", "expected (32, 32)",
-                       "no parameter was changed"});
+  test::require_error(
+      [&] { m.load_safetensors(path); },
+      {"MultiheadDiffAttnV1::load_safetensors", "'q_proj.weight' has shape (16, 16)",
+       "expected (32, 32)", "no parameter was changed"});
   CHECK(bits(m) == before);
   std::remove(path.c_str());
 }

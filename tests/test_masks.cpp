@@ -74,7 +74,8 @@ std::vector<double> oracle_map(const Case& c, const Tensor<double, 4>& q, index_
       if (visible(c, i, j)) sum += std::exp(s[static_cast<std::size_t>(j)] - mx);
     for (index_t j = 0; j < c.M; ++j)
       if (visible(c, i, j))
-        a[static_cast<std::size_t>(i * c.M + j)] = std::exp(s[static_cast<std::size_t>(j)] - mx) / sum;
+        a[static_cast<std::size_t>(i * c.M + j)] =
+            std::exp(s[static_cast<std::size_t>(j)] - mx) / sum;
     lse[static_cast<std::size_t>(i)] = mx + std::log(sum);
   }
   return a;
@@ -120,10 +121,10 @@ void oracle(Kind kind, const Case& c, const Inputs& in, double lambda, Tensor<do
         w = oracle_map(c, in.q, 2 * h, in.k, k1, b, scale, l1);
         const auto a2 = oracle_map(c, in.q, 2 * h + 1, in.k, k2, b, scale, l2);
         for (index_t i = 0; i < c.N; ++i) {
-          const double lam =
-              kind == Kind::v2 ? 1.0 / (1.0 + std::exp(-in.logit(b, i, h))) : lambda;
+          const double lam = kind == Kind::v2 ? 1.0 / (1.0 + std::exp(-in.logit(b, i, h))) : lambda;
           for (index_t j = 0; j < c.M; ++j)
-            w[static_cast<std::size_t>(i * c.M + j)] -= lam * a2[static_cast<std::size_t>(i * c.M + j)];
+            w[static_cast<std::size_t>(i * c.M + j)] -=
+                lam * a2[static_cast<std::size_t>(i * c.M + j)];
           lse(b, 2 * h, i) = l1[static_cast<std::size_t>(i)];
           lse(b, 2 * h + 1, i) = l2[static_cast<std::size_t>(i)];
         }
@@ -162,8 +163,8 @@ void run(Kind kind, bool reference, const Case& c, const Tensor<T, 4>& q, const 
 
 void check(Kind kind, const Case& c, std::uint64_t seed) {
   INFO("kind " << int(kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
-               << " Hkv=" << c.Hkv << " d=" << c.d << " causal=" << c.causal
-               << " window=(" << c.left << ", " << c.right << ")");
+               << " Hkv=" << c.Hkv << " d=" << c.d << " causal=" << c.causal << " window=("
+               << c.left << ", " << c.right << ")");
   const Inputs in = make_inputs(kind, c, seed);
   const double lambda = 0.7;
   const index_t lse_heads = kind == Kind::plain ? c.H : 2 * c.H;
@@ -227,7 +228,7 @@ TEST_CASE("windows in all three kernels match the explicit-mask oracle", "[masks
       {1, 113, 113, 2, 1, 8, true, 0, -1},
       {1, 113, 113, 2, 1, 8, true, 1, -1},
       {2, 129, 140, 2, 2, 8, true, 17, -1},
-      {1, 70, 50, 2, 1, 8, true, 9, -1},   // N > M: leading rows see nothing
+      {1, 70, 50, 2, 1, 8, true, 9, -1},    // N > M: leading rows see nothing
       {1, 61, 61, 2, 1, 8, true, 500, -1},  // window larger than M: plain causal
       // non-causal windows: both sides, one side only.
       {1, 97, 103, 2, 1, 8, false, 5, 3},
@@ -264,8 +265,10 @@ TEST_CASE("a window of the whole sequence equals no window", "[masks]") {
 
 TEST_CASE("diff_weights honours the window", "[masks][diff_weights]") {
   const index_t N = 9, M = 12, d = 4;
-  const auto q1 = test::random_matrix<double>(N, d, 7801), q2 = test::random_matrix<double>(N, d, 7802);
-  const auto k1 = test::random_matrix<double>(M, d, 7803), k2 = test::random_matrix<double>(M, d, 7804);
+  const auto q1 = test::random_matrix<double>(N, d, 7801),
+             q2 = test::random_matrix<double>(N, d, 7802);
+  const auto k1 = test::random_matrix<double>(M, d, 7803),
+             k2 = test::random_matrix<double>(M, d, 7804);
   for (const Case& c : {Case{1, N, M, 1, 1, d, true, 2, -1}, Case{1, N, M, 1, 1, d, false, 1, 3}}) {
     AttentionOptions o = options_of(c);
     const auto w = diffattn::diff_weights<double>(q1, k1, q2, k2, 0.8, o);

@@ -160,11 +160,20 @@ TEST_CASE("layers refuse bad windows and packed batches", "[module][masks][error
   c2.num_heads = 2;
   MultiheadDiffAttnV2<float> m2(c2);
   const auto x2 = random_tensor<float, 3>({2, 5, 16}, 9301);
-  test::require_error([&] { m2.forward(x2, PackedSequences::from_lengths({5, 5})); },
-                      {"MultiheadDiffAttnV2::forward", "(1, T, E)", "(2, 5, 16)"});
+  test::require_error(
+      [&] {
+        m2.forward(x2, PackedSequences::from_lengths({5, 5}));
+      },
+      {"MultiheadDiffAttnV2::forward", "(1, T, E)", "(2, 5, 16)"});
   const auto x1 = random_tensor<float, 3>({1, 10, 16}, 9302);
-  test::require_error([&] { m2.forward(x1, PackedSequences::from_lengths({5, 4})); },
-                      {"MultiheadDiffAttnV2::forward", "cu_seqlens_q[2] = 9", "10 tokens"});
-  test::require_error([&] { m2.forward(x1, PackedSequences::from_lengths({5, 5}, {6, 4})); },
-                      {"MultiheadDiffAttnV2::forward", "cu_seqlens_k"});
+  test::require_error(
+      [&] {
+        m2.forward(x1, PackedSequences::from_lengths({5, 4}));
+      },
+      {"MultiheadDiffAttnV2::forward", "cu_seqlens_q[2] = 9", "10 tokens"});
+  test::require_error(
+      [&] {
+        m2.forward(x1, PackedSequences::from_lengths({5, 5}, {6, 4}));
+      },
+      {"MultiheadDiffAttnV2::forward", "cu_seqlens_k"});
 }

@@ -209,9 +209,9 @@ TEST_CASE("packed offsets are checked", "[packed][errors]") {
   PackedSequences s;
   test::require_error([&] { call(s); }, {"diff_attention_v1_varlen", "cu_seqlens_q is empty"});
   s.cu_seqlens_q = {0, 6, 4, 10};
-  test::require_error([&] { call(s); },
-                      {"diff_attention_v1_varlen", "cu_seqlens_q[2] = 4 < cu_seqlens_q[1] = 6",
-                       "non-decreasing"});
+  test::require_error(
+      [&] { call(s); },
+      {"diff_attention_v1_varlen", "cu_seqlens_q[2] = 4 < cu_seqlens_q[1] = 6", "non-decreasing"});
   s.cu_seqlens_q = {0, 4, 9};
   test::require_error([&] { call(s); },
                       {"diff_attention_v1_varlen", "cu_seqlens_q[2] = 9", "10 tokens of q"});
@@ -222,8 +222,11 @@ TEST_CASE("packed offsets are checked", "[packed][errors]") {
   test::require_error([&] { call(s); }, {"cu_seqlens_k has 2 offsets", "cu_seqlens_q 3"});
   s.cu_seqlens_k = {0, 3, 11};
   test::require_error([&] { call(s); }, {"cu_seqlens_k[2] = 11", "10 tokens of k and v"});
-  test::require_error([&] { PackedSequences::from_lengths({3, -1}); },
-                      {"from_lengths", "q_lengths[1] = -1"});
+  test::require_error(
+      [&] {
+        PackedSequences::from_lengths({3, -1});
+      },
+      {"from_lengths", "q_lengths[1] = -1"});
   // Shape errors name the varlen entry point.
   Tensor<float, 3> out_bad({10, 2, 8});
   test::require_error(

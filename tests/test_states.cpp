@@ -59,11 +59,11 @@ TEST_CASE("split keys merged equal one call", "[states]") {
     std::vector<index_t> cuts;
   };
   const std::vector<Case> cases = {
-      {1, 7, 40, 2, 1, 8, {0, 13, 13, 29, 40}},        // an empty chunk
-      {2, 1, 100, 4, 2, 16, {0, 1, 50, 99, 100}},      // decoding, chunks of 1 key
-      {1, 30, 20, 2, 2, 8, {0, 5, 20}},                // N > M: rows with no visible key
-      {1, 61, 61, 2, 1, 8, {0, 7, 30, 31, 60, 61}},    // odd cuts
-      {1, 5, 3, 1, 1, 4, {0, 0, 0, 3}},                // empty first chunks
+      {1, 7, 40, 2, 1, 8, {0, 13, 13, 29, 40}},      // an empty chunk
+      {2, 1, 100, 4, 2, 16, {0, 1, 50, 99, 100}},    // decoding, chunks of 1 key
+      {1, 30, 20, 2, 2, 8, {0, 5, 20}},              // N > M: rows with no visible key
+      {1, 61, 61, 2, 1, 8, {0, 7, 30, 31, 60, 61}},  // odd cuts
+      {1, 5, 3, 1, 1, 4, {0, 0, 0, 3}},              // empty first chunks
   };
   for (const Case& c : cases) {
     for (bool causal : {false, true}) {

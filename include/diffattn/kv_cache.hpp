@@ -102,9 +102,7 @@ class KVCache {
   /// Keys and values of the held rows and the n reserved ones after them:
   /// what the queries of those n tokens attend to.
   TensorView<const T, 4> keys_with(index_t n) const { return rows_of(k_, start_, stored() + n); }
-  TensorView<const T, 4> values_with(index_t n) const {
-    return rows_of(v_, start_, stored() + n);
-  }
+  TensorView<const T, 4> values_with(index_t n) const { return rows_of(v_, start_, stored() + n); }
   /// Appends the n reserved tokens; with a window, rows no query will read
   /// again are dropped from the front.
   void commit(index_t n) noexcept {

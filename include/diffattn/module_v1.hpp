@@ -55,7 +55,6 @@ struct DiffAttnV1Config {
   double norm_eps = 1e-5;
 };
 
-
 /// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
 enum class WeightLayout {
   /// The Diff Transformer reference (microsoft/unilm): DIFF head h uses query
@@ -478,7 +477,7 @@ class MultiheadDiffAttnV1 {
     Tensor<C, 3> inv_rms;  // (B, N, H)
     LambdaTerms lambda;
     index_t position_offset = 0;
-    bool packed = false;    // a packed batch: B = 1, sequences in `seqs`
+    bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
     PackedSequences seqs;
     bool valid = false;
   };
@@ -543,8 +542,9 @@ class MultiheadDiffAttnV1 {
     const bool derived = c.head_dim == 0;
     if (derived) {
       if (c.embed_dim % (2 * c.num_heads) != 0)
-        detail::fail(fn, "embed_dim ", c.embed_dim, " is not divisible by 2 * num_heads = ",
-                     2 * c.num_heads, " (head_dim 0 means d = E / (2H))");
+        detail::fail(fn, "embed_dim ", c.embed_dim,
+                     " is not divisible by 2 * num_heads = ", 2 * c.num_heads,
+                     " (head_dim 0 means d = E / (2H))");
       c.head_dim = c.embed_dim / (2 * c.num_heads);
     }
     if (!(c.norm_eps > 0) || !std::isfinite(c.norm_eps))

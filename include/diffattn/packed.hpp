@@ -81,10 +81,9 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p =
-      detail::validate_v1<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-                             &lambda, nullptr, detail::as_batch1(out), detail::as_batch1(lse),
-                             options, fn);
+  detail::AttentionProblem<T> p = detail::validate_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
+      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
   detail::run_attention(p, options);
 }
@@ -99,10 +98,9 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p =
-      detail::validate_v1<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-                             nullptr, &lambda, detail::as_batch1(out), detail::as_batch1(lse),
-                             options, fn);
+  detail::AttentionProblem<T> p = detail::validate_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
+      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
   detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
   detail::run_attention(p, options);
 }
@@ -152,11 +150,11 @@ void diff_attention_v1_varlen_backward(
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
-      detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
-      detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv),
-      TensorView<T, 1>(&dlambda, {1}), options, fn);
+  detail::BackwardProblem<T> bp =
+      detail::backward_v1<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
+                             &lambda, nullptr, detail::as_batch1(out), detail::as_batch1(lse),
+                             detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
+                             detail::as_batch1(dv), TensorView<T, 1>(&dlambda, {1}), options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
   detail::run_attention_backward(bp, options);
 }

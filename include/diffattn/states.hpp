@@ -75,8 +75,8 @@ inline T merge_row(T* o, T la, const T* ob, T lb, index_t dv) {
 /// b overlapping a.
 template <class T>
 void merge_states(detail::nondeduced_view<T, 4> o_a, detail::nondeduced_view<T, 3> lse_a,
-                  detail::nondeduced_view<const T, 4> o_b, detail::nondeduced_view<const T, 3> lse_b,
-                  int num_threads = 0) {
+                  detail::nondeduced_view<const T, 4> o_b,
+                  detail::nondeduced_view<const T, 3> lse_b, int num_threads = 0) {
   constexpr const char* fn = "merge_states";
   detail::check_head_contiguous(fn, "o_a", o_a);
   detail::check_head_contiguous(fn, "o_b", o_b);

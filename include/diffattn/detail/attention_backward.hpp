@@ -89,8 +89,8 @@ void transpose_padded(const T* src, index_t ld, index_t rows, index_t cols, inde
 /// One (sequence, kv group) task. dlambda_head receives, per output head of
 /// the group, the sum over its rows of dlambda_i (V1 only).
 template <class T>
-void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g,
-                    BackwardWorkspace<T>& ws, double* dlambda_head) {
+void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, BackwardWorkspace<T>& ws,
+                    double* dlambda_head) {
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
@@ -174,8 +174,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g,
           if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
           const index_t col = r * MR * lds + (j0 - kbase);
           for (int m = 0; m < maps; ++m)
-            micro_kernel<T>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR,
-                            s[m] + col, lds, false);
+            micro_kernel<T>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR, s[m] + col,
+                            lds, false);
           micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
         }
       }
@@ -251,8 +251,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g,
           if (hi <= lo) continue;
           for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
             micro_kernel<T>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
-                            kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0,
-                            dpad_nr, false);
+                            kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0, dpad_nr,
+                            false);
         }
         for (index_t ii = 0; ii < rows; ++ii) {
           T* dst = &bp.dq(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
@@ -413,7 +413,7 @@ BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> 
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
                                const AttentionOptions& options,
-    const char* fn = "diff_attention_v1_backward") {
+                               const char* fn = "diff_attention_v1_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
     return validate_v1<T>(q, k, v, lambda, lambda_heads, unconst(out), unconst(lse), options);
@@ -435,7 +435,7 @@ BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> 
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                TensorView<T, 4> dk, TensorView<T, 4> dv,
                                TensorView<T, 3> dlambda_logit, const AttentionOptions& options,
-    const char* fn = "diff_attention_v2_backward") {
+                               const char* fn = "diff_attention_v2_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
     return validate_v2<T>(q, k, v, lambda_logit, unconst(out), unconst(lse), options);
@@ -456,7 +456,7 @@ BackwardProblem<T> backward_plain(TensorView<const T, 4> q, TensorView<const T, 
                                   TensorView<const T, 3> lse, TensorView<const T, 4> dout,
                                   TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
                                   const AttentionOptions& options,
-    const char* fn = "attention_backward") {
+                                  const char* fn = "attention_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(
       fn, [&] { return validate_plain<T>(q, k, v, unconst(out), unconst(lse), options); });

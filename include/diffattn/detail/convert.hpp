@@ -28,8 +28,8 @@ inline void convert_row(const S* src, index_t n, D* dst) {
 #if defined(__F16C__) && defined(EIGEN_VECTORIZE_AVX)
     if constexpr (std::is_same<D, float>::value && std::is_same<S, half>::value) {
       for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(src + i))));
+        _mm256_storeu_ps(
+            dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     } else if constexpr (std::is_same<S, float>::value && std::is_same<D, half>::value) {
       for (; i + 8 <= n; i += 8)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
@@ -97,7 +97,8 @@ inline Packet pload_widened(const S* p) {
 #endif
 #if defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
     // bfloat16 is the upper half of a float: interleave zeros below it.
-  } else if constexpr (std::is_same<C, float>::value && P == 4 && std::is_same<S, bfloat16>::value) {
+  } else if constexpr (std::is_same<C, float>::value && P == 4 &&
+                       std::is_same<S, bfloat16>::value) {
     return _mm_castsi128_ps(_mm_unpacklo_epi16(
         _mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif

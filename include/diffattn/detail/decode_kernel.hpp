@@ -190,7 +190,8 @@ EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
     // Keys 2m, 2m + 1: in each 128-bit lane, pairs of lanes summed.
     __m512 w[8];
     for (int m = 0; m < 8; ++m) {
-      const __m512 a = _mm512_loadu_ps(part + 2 * m * P), b = _mm512_loadu_ps(part + (2 * m + 1) * P);
+      const __m512 a = _mm512_loadu_ps(part + 2 * m * P),
+                   b = _mm512_loadu_ps(part + (2 * m + 1) * P);
       w[m] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     }
     // Keys 4q .. 4q + 3: each 128-bit lane summed.
@@ -258,8 +259,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t
     for (; t < dv; ++t)
       for (int i = 0; i < R; ++i) {
         C sum = o[i * ostep + t];
-        for (index_t u = 0; u < U; ++u)
-          sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
+        for (index_t u = 0; u < U; ++u) sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
         o[i * ostep + t] = sum;
       }
   }
@@ -268,9 +268,8 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t
 /// axpy_keys_n over `rows` rows: four at a time with 32 vector registers
 /// (16 accumulators), two with 16.
 template <class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U, index_t dv,
-                                   C* o, index_t ostep, const C* w, index_t wstep,
-                                   index_t rows) {
+EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U, index_t dv, C* o,
+                                   index_t ostep, const C* w, index_t wstep, index_t rows) {
   constexpr int RB = TileConfig<C>::kVectorRegisters >= 32 ? 4 : 2;
   index_t i = 0;
   for (; i + RB <= rows; i += RB)
@@ -374,8 +373,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
         const index_t off = (g * kh + slot) * ksh;
         for (index_t ii = 0; ii < n; ++ii) {
           const index_t r0 = (g * dl.per_group + slot) * n + ii;
-          partial_dots(rows, off, jn, dp, qs + r0 * d, rstep * d, part + r0 * P * P,
-                       rstep * P * P, lanes_per_slot);
+          partial_dots(rows, off, jn, dp, qs + r0 * d, rstep * d, part + r0 * P * P, rstep * P * P,
+                       lanes_per_slot);
           for (index_t m = 0; tails && m < lanes_per_slot; ++m) {
             const C* qr = qs + (r0 + m * rstep) * d;
             for (index_t jj = 0; jj < jn; ++jj) {

@@ -30,10 +30,10 @@ namespace detail {
 
 template <class T>
 struct LinearWorkspace {
-  ScratchBuffer<T> b;   // packed B, shared read-only by the workers (caller's thread)
-  ScratchBuffer<T> a;   // a block of A rows, zero-padded   (kBlockM, k)
-  ScratchBuffer<T> c;   // the block's C                     (kBlockM, n padded)
-  ScratchBuffer<T> at;  // A^T for dW                        (n_out, rows)
+  ScratchBuffer<T> b;       // packed B, shared read-only by the workers (caller's thread)
+  ScratchBuffer<T> a;       // a block of A rows, zero-padded   (kBlockM, k)
+  ScratchBuffer<T> c;       // the block's C                     (kBlockM, n padded)
+  ScratchBuffer<T> at;      // A^T for dW                        (n_out, rows)
   ScratchBuffer<T> wide_x;  // few rows of a 16-bit x, widened (rows, k)
   ScratchBuffer<T> wide_w;  // one 16-bit W row, widened       (k)
   void trim() {

@@ -96,11 +96,11 @@ void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<
 template <class T>
 void module_check_packed(const char* fn, const TensorView<const T, 3>& x,
                          const std::vector<index_t>& cu_q, const std::vector<index_t>& cu_k) {
-  if (x.shape(0) != 1)
-    fail(fn, "a packed batch has x (1, T, E), got x ", shape_str(x.shape()));
+  if (x.shape(0) != 1) fail(fn, "a packed batch has x (1, T, E), got x ", shape_str(x.shape()));
   check_cu_seqlens(fn, "cu_seqlens_q", cu_q, x.shape(1), "x");
   if (!cu_k.empty() && cu_k != cu_q)
-    fail(fn, "a layer attends each sequence to itself: cu_seqlens_k must be empty or equal to "
+    fail(fn,
+         "a layer attends each sequence to itself: cu_seqlens_k must be empty or equal to "
          "cu_seqlens_q");
 }
 
@@ -124,8 +124,8 @@ template <class S, class T>
 void module_check_cache(const char* fn, const KVCache<S>& cache, const TensorView<const T, 3>& x,
                         index_t k_heads, index_t k_dim, index_t v_heads, index_t v_dim,
                         index_t keep) {
-  if (cache.key_heads() != k_heads || cache.key_dim() != k_dim ||
-      cache.value_heads() != v_heads || cache.value_dim() != v_dim || cache.keep() != keep)
+  if (cache.key_heads() != k_heads || cache.key_dim() != k_dim || cache.value_heads() != v_heads ||
+      cache.value_dim() != v_dim || cache.keep() != keep)
     fail(fn, "the cache holds keys ", cache.key_heads(), " x ", cache.key_dim(), " and values ",
          cache.value_heads(), " x ", cache.value_dim(), " per token (keep ", cache.keep(),
          "), this layer ", k_heads, " x ", k_dim, " and ", v_heads, " x ", v_dim, " (keep ", keep,
