@@ -295,6 +295,23 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U
 /// distances (8-64 KiB) and prefetching into L1.
 constexpr index_t kDecodeAheadBytes = index_t(128) << 10;
 
+/// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
+/// heads), and, when `pre`, the heads of the row `ahead` keys on (if before
+/// jhi) prefetched into L2: `heads` of `width` values, hstride apart.
+template <class S, class RowOf>
+EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn, index_t jhi,
+                                    bool pre, index_t ahead, index_t heads, index_t hstride,
+                                    index_t width, const S** rows) {
+  for (index_t jj = 0; jj < jn; ++jj) {
+    const index_t j = j0 + jj;
+    if (pre && j + ahead < jhi) {
+      const S* a = row_of(j + ahead);
+      for (index_t h = 0; h < heads; ++h) prefetch_row<1>(a + h * hstride, width);
+    }
+    rows[jj] = row_of(j);
+  }
+}
+
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them.
@@ -360,14 +377,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const KV* rows[P];  // the key (then value) rows of a block of keys
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    for (index_t jj = 0; jj < jn; ++jj) {
-      const index_t j = j0 + jj;
-      if (kpre && j + kahead < jhi) {
-        const KV* ahead = p.key_row(sq, j + kahead, 0);
-        for (index_t h = 0; h < dl.groups * kh; ++h) prefetch_row<1>(ahead + h * ksh, d);
-      }
-      rows[jj] = p.key_row(sq, j, 0);
-    }
+    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kpre, kahead,
+               dl.groups * kh, ksh, d, rows);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
         const index_t off = (g * kh + slot) * ksh;
@@ -403,8 +414,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     ArrayMap(w, cnt) *= c;
   }
 
-  // o = W V, value row after value row; a row's keys outside its range are
-  // skipped (never multiplied by a zero weight, which would turn a NaN value
+  // o = W V, block of value rows after block; a row's keys outside its range
+  // are skipped (never multiplied by a zero weight, which would turn a NaN value
   // it does not see into a NaN output).
   std::fill(o, o + R * dv, C(0));
   const index_t vahead =
@@ -412,14 +423,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const bool vpre = dl.per_group * n >= 2;
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    for (index_t jj = 0; jj < jn; ++jj) {
-      const index_t j = j0 + jj;
-      if (vpre && j + vahead < jhi) {
-        const KV* ahead = p.value_row(sq, j + vahead, 0);
-        for (index_t g = 0; g < dl.groups; ++g) prefetch_row<1>(ahead + g * vsh, dv);
-      }
-      rows[jj] = p.value_row(sq, j, 0);
-    }
+    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vpre, vahead,
+               dl.groups, vsh, dv, rows);
     for (index_t ii = 0; ii < n; ++ii) {
       const index_t a = std::max(j0, rb[ii]), e = std::min(j0 + jn, re[ii]);
       if (a >= e) continue;
