@@ -168,8 +168,9 @@ EIGEN_ALWAYS_INLINE void partial_dots(const S* const* krows, index_t off, index_
 }
 
 /// out[jj] = the sum of the lanes of the packet at part + jj P, for the P
-/// keys jj < P of a block: one transpose (ptranspose) and P - 1 additions
-/// for P scores, instead of P horizontal sums.
+/// keys jj < P of a block: one transpose (ptranspose; with AVX-512 one that
+/// adds as it goes) and P - 1 additions for P scores, instead of P
+/// horizontal sums.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // PacketBlock of a vector type
@@ -224,8 +225,8 @@ EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
 /// v_u at vrows[u] + off (stored as S, widened once per packet for every
 /// row). The outputs stay in registers across the U keys, NP packets of
 /// each row at a time: an output packet is loaded and stored once per block
-/// of keys, not once per key (a load that waits on the previous key's store
-/// made the step 2x slower on Zen 5).
+/// of keys, not once per key (which made the step 2x slower on Zen 5 with the
+/// K/V rows in L2).
 template <int R, int NP, class C, class S>
 EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t U, index_t dv,
                                      C* o, index_t ostep, const C* w, index_t wstep) {
@@ -326,8 +327,8 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
 /// keys at a time (reduce_keys); an output packet is loaded and stored once
 /// per block, not once per key. On Zen 5 (2 threads, M = 32k) this made the
 /// step 1.3x (V2) to 1.7x (MQA) faster than going key after key through every
-/// head with the outputs in memory (in L2: 2x), where each key's output load
-/// waited on the previous key's store.
+/// head with the outputs loaded and stored for each key (2x with the K/V rows
+/// in L2).
 ///
 /// Storage: q holds T, the cache KV; the work is in C = compute_t<T>.
 template <class T, class KV, class C>
