@@ -304,6 +304,20 @@ TEST_CASE("decoding with head widths that are not whole packets", "[decode]") {
                    seed += 10);
 }
 
+TEST_CASE("decoding with the usual head widths and many query rows per kv head", "[decode]") {
+  // Head widths 64 and 128 keep a kv head's query rows in registers, as
+  // many rows at a time as fit (by the width, the packet and the target's
+  // registers); 3 to 8 rows per key head reach every row block and remainder.
+  std::uint64_t seed = 32700;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t d : {64, 128})
+      for (index_t h : {3, 5, 8})
+        for (index_t n : {1, 2}) {
+          const index_t H = kind == Kind::v2 ? (h + 1) / 2 : h;  // V2: 2 rows per pair
+          check_case(Case{kind, n, H, 1, d, 70, {70, 33}, true}, seed += 10);
+        }
+}
+
 TEST_CASE("decoding splits long caches into chunks", "[decode]") {
   // Longer than kSplitKeys: the default split runs.
   std::uint64_t seed = 33000;

@@ -127,14 +127,17 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, index_t off, inde
   }
 }
 
-/// partial_dots_n over `rows` query rows, four at a time.
+/// partial_dots_n over `rows` query rows, four at a time. (Four rows of 8
+/// packets do not fit the registers and reload their queries from L1, which
+/// measured faster for MQA with d = 128 than blocks of 3 rows that fit.)
 template <int DP, class C, class S>
 EIGEN_ALWAYS_INLINE void partial_dots_rows(const S* const* krows, index_t off, index_t U,
                                            index_t dp, const C* q, index_t qstep, C* part,
                                            index_t pstep, index_t rows) {
+  constexpr int RB = 4;
   index_t i = 0;
-  for (; i + 4 <= rows; i += 4)
-    partial_dots_n<4, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep, pstep);
+  for (; i + RB <= rows; i += RB)
+    partial_dots_n<RB, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep, pstep);
   switch (rows - i) {
     case 1:
       return partial_dots_n<1, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep,
@@ -288,29 +291,40 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U
 }
 
 /// How far ahead of the row being read a decoding step asks for the cache's
-/// rows, into L2 (a prefetch with locality 1), when two or more query rows
-/// read each head. The hardware prefetcher alone then keeps too few lines in
-/// flight: on Zen 4, 2 threads, M = 32k, V2 took 1.31x the time of GQA with
-/// one row per head without it, 1.11-1.18x with it. With one row per head
-/// the prefetch measured slower (V1's keys, GQA 8q/8kv), as did nearer
-/// distances (8-64 KiB) and prefetching into L1.
-constexpr index_t kDecodeAheadBytes = index_t(128) << 10;
+/// rows (into L1), when two or more query rows read each kv head.
+///
+/// A block reads P rows head after head, a stride of a whole row (2 KiB for
+/// 8 heads of 64 floats), which the hardware prefetchers do not follow: on
+/// Zen 5 with one thread the step then read its cache at about the sum of
+/// the times of the memory and of its instructions, not the larger of the
+/// two. So before a head's products the step prefetches the same head of
+/// the rows this far on: a few prefetches between each group of products,
+/// never a burst for a whole row (which measured no better than none).
+/// Measured on Zen 5, M = 32k, interleaved runs: V2 and GQA 16q/8kv read
+/// 1.4x faster on one thread than without, V1 1.1x; 16 KiB did better than
+/// 8, 32 or 128 KiB ahead, and into L1 better than into L2. With one query
+/// row per kv head (plain GQA 8q/8kv) the prefetches cost more than they gain
+/// (0.8x with the rows in L2, no gain from memory), so that step has none.
+constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
-/// heads), and, when `pre`, the heads of the row `ahead` keys on (if before
-/// jhi) prefetched into L2: `heads` of `width` values, hstride apart.
+/// heads), and the rows `ahead` keys on into pre (nullptr from jhi on).
 template <class S, class RowOf>
 EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn, index_t jhi,
-                                    bool pre, index_t ahead, index_t heads, index_t hstride,
-                                    index_t width, const S** rows) {
+                                    index_t ahead, const S** rows, const S** pre) {
   for (index_t jj = 0; jj < jn; ++jj) {
     const index_t j = j0 + jj;
-    if (pre && j + ahead < jhi) {
-      const S* a = row_of(j + ahead);
-      for (index_t h = 0; h < heads; ++h) prefetch_row<1>(a + h * hstride, width);
-    }
     rows[jj] = row_of(j);
+    pre[jj] = j + ahead < jhi ? row_of(j + ahead) : nullptr;
   }
+}
+
+/// Prefetches into L1 one head (`width` values at off) of each row of pre.
+template <class S>
+EIGEN_ALWAYS_INLINE void prefetch_heads(const S* const* pre, index_t jn, index_t off,
+                                        index_t width) {
+  for (index_t jj = 0; jj < jn; ++jj)
+    if (pre[jj]) prefetch_row<3>(pre[jj] + off, width);
 }
 
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
@@ -374,15 +388,17 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const index_t lanes_per_slot = dl.per_group / kh, rstep = kh * n;
   const index_t row_bytes = dl.groups * kh * d * static_cast<index_t>(sizeof(KV));
   const index_t kahead = std::max<index_t>(4, kDecodeAheadBytes / row_bytes);
-  const bool kpre = lanes_per_slot * n >= 2;
+  const bool prefetch = dl.per_group * n >= 2;
   const KV* rows[P];  // the key (then value) rows of a block of keys
+  const KV* pre[P];   // and those to prefetch
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kpre, kahead,
-               dl.groups * kh, ksh, d, rows);
+    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, prefetch ? jhi : 0, kahead,
+               rows, pre);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
         const index_t off = (g * kh + slot) * ksh;
+        prefetch_heads(pre, jn, off, d);
         for (index_t ii = 0; ii < n; ++ii) {
           const index_t r0 = (g * dl.per_group + slot) * n + ii;
           partial_dots(rows, off, jn, dp, qs + r0 * d, rstep * d, part + r0 * P * P, rstep * P * P,
@@ -421,15 +437,15 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   std::fill(o, o + R * dv, C(0));
   const index_t vahead =
       std::max<index_t>(4, kDecodeAheadBytes / (dl.groups * dv * static_cast<index_t>(sizeof(KV))));
-  const bool vpre = dl.per_group * n >= 2;
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vpre, vahead,
-               dl.groups, vsh, dv, rows);
-    for (index_t ii = 0; ii < n; ++ii) {
-      const index_t a = std::max(j0, rb[ii]), e = std::min(j0 + jn, re[ii]);
-      if (a >= e) continue;
-      for (index_t g = 0; g < dl.groups; ++g) {
+    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, prefetch ? jhi : 0, vahead,
+               rows, pre);
+    for (index_t g = 0; g < dl.groups; ++g) {
+      prefetch_heads(pre, jn, g * vsh, dv);
+      for (index_t ii = 0; ii < n; ++ii) {
+        const index_t a = std::max(j0, rb[ii]), e = std::min(j0 + jn, re[ii]);
+        if (a >= e) continue;
         const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
         axpy_keys(rows + (a - j0), g * vsh, e - a, dv, o + r0 * dv, n * dv,
                   s + r0 * lds + (a - jlo), n * lds, dl.per_group);
