@@ -144,21 +144,37 @@ void module_check_cache(const char* fn, const KVCache<S>& cache, const TensorVie
 /// keys and values, every held token followed by the piece's (so a causal
 /// mask aligned bottom-right is the right one). A cache of a narrower type S
 /// (a float layer's bfloat16 cache) gets the keys and values rounded to S.
+///
+/// If attend (or anything else) throws, the cache is as it was before the
+/// call. One piece needs nothing for that: reserve only moves the held rows
+/// and nothing counts until commit. Several pieces (a windowed cache shorter
+/// than the append) commit one by one and each reserve overwrites rows the
+/// cache held before, so a copy of the cache (at most 2W rows) is restored.
 template <class S, class T, class Attend>
 void module_cache_append(KVCache<S>& cache, Tensor<T, 4>& k, Tensor<T, 4>& v, Attend&& attend) {
   const index_t n = k.shape(1), row = k.shape(2) * k.shape(3), vrow = v.shape(2) * v.shape(3);
-  for (index_t a = 0; a < n;) {
-    const index_t np = std::min(n - a, cache.max_append());
-    if (np < 1) fail("KVCache", "no room to append to a cache holding ", cache.size());
-    const index_t r = cache.reserve(np);
-    TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
-    for (index_t b = 0; b < k.shape(0); ++b) {
-      convert_row(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
-      convert_row(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+  auto pieces = [&] {
+    for (index_t a = 0; a < n;) {
+      const index_t np = std::min(n - a, cache.max_append());
+      if (np < 1) fail("KVCache", "no room to append to a cache holding ", cache.size());
+      const index_t r = cache.reserve(np);
+      TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
+      for (index_t b = 0; b < k.shape(0); ++b) {
+        convert_row(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
+        convert_row(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+      }
+      attend(a, np, cache.keys_with(np), cache.values_with(np));
+      cache.commit(np);
+      a += np;
     }
-    attend(a, np, cache.keys_with(np), cache.values_with(np));
-    cache.commit(np);
-    a += np;
+  };
+  if (n <= cache.max_append()) return pieces();
+  KVCache<S> saved = cache;
+  try {
+    pieces();
+  } catch (...) {
+    cache = std::move(saved);
+    throw;
   }
 }
 
