@@ -89,7 +89,29 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
   const auto c = detail::checked_collective(rc, [&] {
     detail::CheckedRing<T> r;
     r.p = detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding, lambda);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
+    return r;
+  });
+  detail::ring_attention_forward(rc, c.p, options, sharding);
+  detail::finish_stats(stats, rc, t0);
+}
+
+/// diff_attention_v1 with one lambda per DIFF head: lambda (H), the same on
+/// every rank (as diffattn::diff_attention_v1's per-head overload).
+template <class T>
+void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const T, 4> k, detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
+                       RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
+  const double t0 = detail::mpi_now();
+  detail::RingComm rc(comm, fn);
+  const auto c = detail::checked_collective(rc, [&] {
+    detail::CheckedRing<T> r;
+    r.p = detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
   detail::ring_attention_forward(rc, c.p, options, sharding);
@@ -115,7 +137,7 @@ void diff_attention_v2(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
   const auto c = detail::checked_collective(rc, [&] {
     detail::CheckedRing<T> r;
     r.p = detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding, 0.0);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
   detail::ring_attention_forward(rc, c.p, options, sharding);
@@ -140,7 +162,7 @@ void attention(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
   const auto c = detail::checked_collective(rc, [&] {
     detail::CheckedRing<T> r;
     r.p = detail::validate_plain<T>(q, k, v, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding, 0.0);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
   detail::ring_attention_forward(rc, c.p, options, sharding);
@@ -177,12 +199,43 @@ void diff_attention_v1_backward(
                                   TensorView<T, 1>(&dl, {1}), options, fn);
     if (r.bp.fwd.seqlen_q > 0 && !r.bp.fwd.has_lse()) detail::fail(fn, "lse is required");
     r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding, lambda);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
-  double sum = detail::ring_attention_backward(rc, c.bp, options, sharding);
-  rc.allreduce_sum(&sum, 1);
-  dlambda = static_cast<T>(sum);
+  std::vector<double> sum = detail::ring_attention_backward(rc, c.bp, options, sharding);
+  rc.allreduce_sum(sum.data(), 1);
+  dlambda = static_cast<T>(sum[0]);
+  detail::finish_stats(stats, rc, t0);
+}
+
+/// Backward of mpi::diff_attention_v1 with one lambda per DIFF head: dlambda
+/// (H), each head's dL/dlambda summed over batch and ALL N rows of the global
+/// sequence, the same on every rank (as diffattn's per-head backward).
+template <class T>
+void diff_attention_v1_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {},
+    Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_backward";
+  const double t0 = detail::mpi_now();
+  detail::RingComm rc(comm, fn);
+  const auto c = detail::checked_collective(rc, [&] {
+    detail::CheckedRing<T> r;
+    r.bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
+                                  options, fn);
+    if (r.bp.fwd.seqlen_q > 0 && !r.bp.fwd.has_lse()) detail::fail(fn, "lse is required");
+    r.p = r.bp.fwd;
+    r.header = detail::ring_header(fn, r.p, options, sharding);
+    return r;
+  });
+  std::vector<double> sum = detail::ring_attention_backward(rc, c.bp, options, sharding);
+  rc.allreduce_sum(sum.data(), static_cast<int>(sum.size()));
+  for (std::size_t h = 0; h < sum.size(); ++h)
+    dlambda(static_cast<index_t>(h)) = static_cast<T>(sum[h]);
   detail::finish_stats(stats, rc, t0);
 }
 
@@ -206,7 +259,7 @@ void diff_attention_v2_backward(
     r.bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv, dlambda_logit,
                                   options, fn);
     r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding, 0.0);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
   detail::ring_attention_backward(rc, c.bp, options, sharding);
@@ -232,7 +285,7 @@ void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
     detail::CheckedRing<T> r;
     r.bp = detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn);
     r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding, 0.0);
+    r.header = detail::ring_header(fn, r.p, options, sharding);
     return r;
   });
   detail::ring_attention_backward(rc, c.bp, options, sharding);

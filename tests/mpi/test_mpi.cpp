@@ -80,13 +80,15 @@ struct Case {
   bool causal;
   index_t window_left, window_right;
   Sharding sharding;
+  bool per_head = false;  // v1: one lambda per DIFF head
 };
 
 std::string describe(const Case& c, const char* type) {
   return diffattn::detail::cat(kind_name(c.kind), "<", type, "> B=", c.B, " N=", c.N, " H=", c.H,
                                " Hkv=", c.Hkv, " d=", c.d, " causal=", c.causal, " window=(",
                                c.window_left, ", ", c.window_right, ") ",
-                               diffattn::detail::sharding_name(c.sharding), " W=", g_world);
+                               diffattn::detail::sharding_name(c.sharding), " W=", g_world,
+                               c.per_head ? " lambda per head" : "");
 }
 
 /// One case, forward and backward, against the single-process kernels.
@@ -113,7 +115,13 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   Tensor<T, 4> out({B, N, oh, dv}), dq(q.shape()), dk(k.shape()), dvg(v.shape());
   Tensor<T, 3> lse({B, qh, N}), dlogit(logit.shape());
   T dlambda = 0;
-  if (c.kind == Kind::v1) {
+  Tensor<T, 1> lambdas({c.H}), dlambdas({c.H});
+  for (index_t h = 0; h < c.H; ++h) lambdas(h) = T(0.2) + T(0.15) * T(h);
+  if (c.kind == Kind::v1 && c.per_head) {
+    diffattn::diff_attention_v1<T>(q, k, v, lambdas, out, lse, o);
+    diffattn::diff_attention_v1_backward<T>(q, k, v, lambdas, out, lse, dout, dq, dk, dvg, dlambdas,
+                                            o);
+  } else if (c.kind == Kind::v1) {
     diffattn::diff_attention_v1<T>(q, k, v, lambda, out, lse, o);
     diffattn::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, dq, dk, dvg, dlambda,
                                             o);
@@ -134,7 +142,12 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   Tensor<T, 4> outl({B, n, oh, dv}), dql(ql.shape()), dkl(kl.shape()), dvl(vl.shape());
   Tensor<T, 3> lsel({B, qh, n}), dlogitl(ll.shape());
   T dlambdal = 0;
-  if (c.kind == Kind::v1) {
+  Tensor<T, 1> dlambdasl({c.H});
+  if (c.kind == Kind::v1 && c.per_head) {
+    dm::diff_attention_v1<T>(comm, ql, kl, vl, lambdas, outl, lsel, o, s);
+    dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambdas, outl, lsel, dol, dql, dkl, dvl,
+                                      dlambdasl, o, s);
+  } else if (c.kind == Kind::v1) {
     dm::diff_attention_v1<T>(comm, ql, kl, vl, lambda, outl, lsel, o, s);
     dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambda, outl, lsel, dol, dql, dkl, dvl,
                                       dlambdal, o, s);
@@ -156,7 +169,9 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   cmp("dq", rel_error(dql, dm::shard(dq, rank, world, s)), tb);
   cmp("dk", rel_error(dkl, dm::shard(dk, rank, world, s)), tb);
   cmp("dv", rel_error(dvl, dm::shard(dvg, rank, world, s)), tb);
-  if (c.kind == Kind::v1)
+  if (c.kind == Kind::v1 && c.per_head)
+    cmp("dlambda per head", rel_error(dlambdasl, dlambdas), tb);
+  else if (c.kind == Kind::v1)
     cmp("dlambda",
         std::abs(double(dlambdal) - double(dlambda)) / std::max(1.0, std::abs(double(dlambda))),
         tb);
@@ -240,6 +255,11 @@ void error_cases(MPI_Comm comm) {
         "lambda differs",
         [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, rank == 0 ? 0.5f : 0.25f, ol, ll); },
         "lambda");
+    Tensor<float, 1> heads({1});
+    heads(0) = rank == 0 ? 0.5f : 0.25f;
+    expect_error(
+        "lambda per head differs",
+        [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, heads, ol, ll); }, "lambda");
     AttentionOptions o;
     o.causal = rank == world - 1;
     expect_error(
@@ -309,6 +329,9 @@ int main(int argc, char** argv) {
       cases.push_back({Kind::v2, 1, 2 * W * 9, 2, 2, 8, causal, -1, -1, s});  // 2H / Hkv = 2
       cases.push_back({Kind::plain, 1, 2 * W * 33, 4, 2, 16, causal, -1, -1, s});
     }
+    // One lambda per DIFF head (GQA 2:1), causal and with a window.
+    cases.push_back({Kind::v1, 1, 2 * W * 7, 4, 2, 8, true, -1, -1, s, true});
+    cases.push_back({Kind::v1, 2, 2 * W * 8, 2, 1, 8, false, 5, 3, s, true});
     // Windows over global positions, reaching across shard boundaries.
     cases.push_back({Kind::v1, 1, 2 * W * 10, 2, 2, 8, true, 13, -1, s});
     cases.push_back({Kind::v2, 1, 2 * W * 10, 2, 1, 8, false, 3, 11, s});

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -44,10 +45,28 @@ inline const char* sharding_name(mpi::Sharding s) {
   return s == mpi::Sharding::zigzag ? "zigzag" : "contiguous";
 }
 
+/// The bits of a V1 call's lambda (0 for the other kinds), so that the ranks
+/// can check they agree: the scalar's, or for one lambda per head an FNV-1a
+/// hash of every head's bits.
+template <class T>
+std::int64_t lambda_bits(const AttentionProblem<T>& p) {
+  if (p.kind != AttnKind::v1) return 0;
+  if (p.lambda_heads.empty()) return bits_of(static_cast<double>(p.lambda_scalar));
+  std::uint64_t h = 1469598103934665603ull;
+  for (index_t i = 0; i < p.lambda_heads.size(); ++i) {
+    const std::uint64_t b =
+        static_cast<std::uint64_t>(bits_of(static_cast<double>(p.lambda_heads(i))));
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((b >> (8 * byte)) & 0xffu)) * 1099511628211ull;
+  }
+  std::int64_t out = 0;
+  std::memcpy(&out, &h, sizeof out);
+  return out;
+}
+
 /// Local checks shared by every entry point; the header every rank must agree on.
 template <class T>
 std::vector<HeaderField> ring_header(const char* fn, const AttentionProblem<T>& p,
-                                     const AttentionOptions& o, mpi::Sharding s, double lambda) {
+                                     const AttentionOptions& o, mpi::Sharding s) {
   if (p.seqlen_k != p.seqlen_q)
     fail(fn, "q holds ", p.seqlen_q, " tokens and k ", p.seqlen_k,
          ": self-attention over one sequence needs the same shard of tokens in q, k and v (q ",
@@ -67,7 +86,7 @@ std::vector<HeaderField> ring_header(const char* fn, const AttentionProblem<T>& 
           {"options.window_left", o.window_left},
           {"options.window_right", o.window_right},
           {"options.scale", bits_of(o.scale)},
-          {"lambda", bits_of(lambda)},
+          {"lambda", lambda_bits(p)},
           {"the sharding", static_cast<std::int64_t>(s)}};
 }
 
@@ -161,13 +180,20 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
 /// The backward of any kind. For the differential kernels o2 (map 2's
 /// normalised output) is recomputed by a forward ring of map 2 alone, and
 /// o1 = out + lambda o2; then D_m = dO_m . o_m with dO_1 = dO, dO_2 = -lambda dO.
-/// Returns the local sum over rows of -dO . o2 (V1's dlambda before the allreduce).
+/// Returns V1's dlambda before the allreduce: the local sums over rows of
+/// -dO . o2, one per DIFF head when lambda is per head, else one (empty for
+/// the other kinds).
 template <class T>
-double ring_attention_backward(RingComm& rc, const BackwardProblem<T>& bp,
-                               const AttentionOptions& options, mpi::Sharding s) {
+std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<T>& bp,
+                                            const AttentionOptions& options, mpi::Sharding s) {
+  const bool per_head = !bp.fwd.lambda_heads.empty();
+  std::vector<double> dlambda_sum(
+      bp.fwd.kind == AttnKind::v1 ? static_cast<std::size_t>(per_head ? bp.fwd.heads : 1) : 0);
   if (rc.size() == 1) {  // every key is local: the fused backward, exactly
     run_attention_backward(bp, options);
-    return bp.fwd.kind == AttnKind::v1 ? static_cast<double>(bp.dlambda(0)) : 0.0;
+    for (std::size_t h = 0; h < dlambda_sum.size(); ++h)
+      dlambda_sum[h] = static_cast<double>(bp.dlambda(static_cast<index_t>(h)));
+    return dlambda_sum;
   }
   const AttentionProblem<T>& p = bp.fwd;
   const RingProblem<T> rp = ring_problem(p, options, s);
@@ -178,7 +204,6 @@ double ring_attention_backward(RingComm& rc, const BackwardProblem<T>& bp,
   std::vector<TensorView<const T, 4>> o_m, dout_m;
   std::vector<TensorView<const T, 3>> lse_m, delta_m;
   Tensor<T, 4> o1({0, 0, 0, 0}), dout2({0, 0, 0, 0});
-  double dlambda_sum = 0;
   if (maps == 1) {
     o_m.push_back(p.out);
     dout_m.push_back(bp.dout);
@@ -201,7 +226,7 @@ double ring_attention_backward(RingComm& rc, const BackwardProblem<T>& bp,
           if (p.kind == AttnKind::v2)
             bp.dlambda_logit(b, i, h) = static_cast<T>(-e * lambda * (T(1) - lambda));
           else
-            dlambda_sum -= e;
+            dlambda_sum[static_cast<std::size_t>(per_head ? h : 0)] -= e;
         }
     o_m = {o1.view(), o2[0].view()};
     dout_m = {bp.dout, dout2.view()};
