@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <diffattn/detail/random.hpp>
 #include <diffattn/tensor.hpp>
@@ -41,6 +42,17 @@ double rel_error(const Tensor<A, R>& a, const Tensor<B, R>& b) {
     den = std::max(den, std::abs(y));
   }
   return den > 0 ? num / den : num;
+}
+
+/// A contiguous copy of a rank-4 view of any strides.
+template <class T>
+Tensor<std::remove_const_t<T>, 4> contiguous(TensorView<T, 4> view) {
+  Tensor<std::remove_const_t<T>, 4> c(view.shape());
+  for (index_t a = 0; a < view.shape(0); ++a)
+    for (index_t b = 0; b < view.shape(1); ++b)
+      for (index_t h = 0; h < view.shape(2); ++h)
+        for (index_t x = 0; x < view.shape(3); ++x) c(a, b, h, x) = view(a, b, h, x);
+  return c;
 }
 
 template <class T, std::size_t R>

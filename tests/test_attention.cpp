@@ -254,14 +254,7 @@ TEST_CASE("strided (B, H, N, D) inputs and outputs need no copy", "[attention]")
   TensorView<double, 4> out(out_mem.data(), {B, N, H, 2 * d}, {H * N * 2 * d, 2 * d, N * 2 * d, 1});
   diffattn::diff_attention_v1<double>(bhnd(q), bhnd(k), bhnd(v), 0.8, out, opts(true));
   // Same data copied to contiguous (B, N, H, D).
-  auto contiguous = [](TensorView<const double, 4> view) {
-    Tensor<double, 4> c(view.shape());
-    for (index_t a = 0; a < view.shape(0); ++a)
-      for (index_t b = 0; b < view.shape(1); ++b)
-        for (index_t h = 0; h < view.shape(2); ++h)
-          for (index_t x = 0; x < view.shape(3); ++x) c(a, b, h, x) = view(a, b, h, x);
-    return c;
-  };
+  using test::contiguous;
   Tensor<double, 4> ref({B, N, H, 2 * d});
   diffattn::reference::diff_attention_v1<double>(contiguous(bhnd(q)), contiguous(bhnd(k)),
                                                  contiguous(bhnd(v)), 0.8, ref, opts(true));

@@ -145,20 +145,13 @@ TEST_CASE("a failed append in several pieces leaves a windowed cache as it was",
                           random_tensor<double, 4>({2, n, 2, 2}, seed + 1));
   };
   auto none = [](index_t, index_t, auto, auto) {};
-  auto copy = [](TensorView<const double, 4> t) {
-    Tensor<double, 4> c(t.shape());
-    for (index_t b = 0; b < t.shape(0); ++b)
-      for (index_t j = 0; j < t.shape(1); ++j)
-        for (index_t h = 0; h < t.shape(2); ++h)
-          for (index_t e = 0; e < t.shape(3); ++e) c(b, j, h, e) = t(b, j, h, e);
-    return c;
-  };
+  using test::contiguous;
   auto first = fill(5, 9871), more = fill(12, 9873);
   KVCache<double> cache(2, 100, 1, 3, 2, 2, 3), twin = cache;
   module_cache_append(cache, first.first, first.second, none);
   module_cache_append(twin, first.first, first.second, none);
   REQUIRE(more.first.shape(1) > cache.max_append());
-  const Tensor<double, 4> k0 = copy(cache.keys()), v0 = copy(cache.values());
+  const Tensor<double, 4> k0 = contiguous(cache.keys()), v0 = contiguous(cache.values());
   int calls = 0;
   auto fail_second = [&](index_t, index_t, auto, auto) {
     if (++calls == 2) throw std::runtime_error("attend failed");
@@ -168,14 +161,14 @@ TEST_CASE("a failed append in several pieces leaves a windowed cache as it was",
   CHECK(calls == 2);
   CHECK(cache.size() == 5);
   REQUIRE(cache.stored() == k0.shape(1));
-  CHECK(test::bitwise_equal(copy(cache.keys()), k0));
-  CHECK(test::bitwise_equal(copy(cache.values()), v0));
+  CHECK(test::bitwise_equal(contiguous(cache.keys()), k0));
+  CHECK(test::bitwise_equal(contiguous(cache.values()), v0));
   // And it goes on as a cache that never saw the failed append.
   module_cache_append(cache, more.first, more.second, none);
   module_cache_append(twin, more.first, more.second, none);
   CHECK(cache.size() == 17);
-  CHECK(test::bitwise_equal(copy(cache.keys()), copy(twin.keys())));
-  CHECK(test::bitwise_equal(copy(cache.values()), copy(twin.values())));
+  CHECK(test::bitwise_equal(contiguous(cache.keys()), contiguous(twin.keys())));
+  CHECK(test::bitwise_equal(contiguous(cache.values()), contiguous(twin.values())));
 }
 
 TEST_CASE("a full cache refuses an append and changes nothing", "[kv_cache]") {

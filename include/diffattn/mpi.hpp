@@ -84,16 +84,9 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 3> lse, const AttentionOptions& options = {},
                        Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.p = detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
+  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn);
   });
-  detail::ring_attention_forward(rc, c.p, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// diff_attention_v1 with one lambda per DIFF head: lambda (H), the same on
@@ -106,16 +99,9 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                        RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.p = detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
+  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn);
   });
-  detail::ring_attention_forward(rc, c.p, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// Differential attention V2 over a sequence sharded across the ranks:
@@ -132,16 +118,9 @@ void diff_attention_v2(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                        RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::diff_attention_v2";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.p = detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
+  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options, fn);
   });
-  detail::ring_attention_forward(rc, c.p, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// Plain softmax attention with GQA over a sequence sharded across the ranks:
@@ -157,16 +136,9 @@ void attention(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::attention";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.p = detail::validate_plain<T>(q, k, v, out, lse, options, fn);
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
+  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::validate_plain<T>(q, k, v, out, lse, options, fn);
   });
-  detail::ring_attention_forward(rc, c.p, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// Backward of mpi::diff_attention_v1. Arguments as
@@ -189,23 +161,10 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
     const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
     RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_backward";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
   T dl = 0;
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.bp = detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                                  TensorView<T, 1>(&dl, {1}), options, fn);
-    if (r.bp.fwd.seqlen_q > 0 && !r.bp.fwd.has_lse()) detail::fail(fn, "lse is required");
-    r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
-  });
-  std::vector<double> sum = detail::ring_attention_backward(rc, c.bp, options, sharding);
-  rc.allreduce_sum(sum.data(), 1);
-  dlambda = static_cast<T>(sum[0]);
-  detail::finish_stats(stats, rc, t0);
+  detail::ring_v1_backward<T>(comm, q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+                              TensorView<T, 1>(&dl, {1}), options, sharding, stats);
+  dlambda = dl;
 }
 
 /// Backward of mpi::diff_attention_v1 with one lambda per DIFF head: dlambda
@@ -220,23 +179,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {},
     Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_backward";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
-                                  options, fn);
-    if (r.bp.fwd.seqlen_q > 0 && !r.bp.fwd.has_lse()) detail::fail(fn, "lse is required");
-    r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
-  });
-  std::vector<double> sum = detail::ring_attention_backward(rc, c.bp, options, sharding);
-  rc.allreduce_sum(sum.data(), static_cast<int>(sum.size()));
-  for (std::size_t h = 0; h < sum.size(); ++h)
-    dlambda(static_cast<index_t>(h)) = static_cast<T>(sum[h]);
-  detail::finish_stats(stats, rc, t0);
+  detail::ring_v1_backward<T>(comm, q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
+                              options, sharding, stats);
 }
 
 /// Backward of mpi::diff_attention_v2: arguments as
@@ -252,18 +196,10 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {},
     Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::diff_attention_v2_backward";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv, dlambda_logit,
+  detail::ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv, dlambda_logit,
                                   options, fn);
-    r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
   });
-  detail::ring_attention_backward(rc, c.bp, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// Backward of mpi::attention: arguments as diffattn::attention_backward,
@@ -279,17 +215,9 @@ void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                         const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                         RingStats* stats = nullptr) {
   constexpr const char* fn = "diffattn::mpi::attention_backward";
-  const double t0 = detail::mpi_now();
-  detail::RingComm rc(comm, fn);
-  const auto c = detail::checked_collective(rc, [&] {
-    detail::CheckedRing<T> r;
-    r.bp = detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn);
-    r.p = r.bp.fwd;
-    r.header = detail::ring_header(fn, r.p, options, sharding);
-    return r;
+  detail::ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
+    return detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn);
   });
-  detail::ring_attention_backward(rc, c.bp, options, sharding);
-  detail::finish_stats(stats, rc, t0);
 }
 
 /// The rank's shard of a global tensor: its tokens along `axis` (1 for

@@ -270,5 +270,66 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   return dlambda_sum;
 }
 
+/// One collective forward call: `validate` (run on every rank, its errors
+/// agreed on) gives the problem, whose header the ranks compare before the ring.
+template <class T, class Validate>
+void ring_forward_call(MPI_Comm comm, const char* fn, const AttentionOptions& options,
+                       mpi::Sharding sharding, mpi::RingStats* stats, Validate&& validate) {
+  const double t0 = mpi_now();
+  RingComm rc(comm, fn);
+  const auto c = checked_collective(rc, [&] {
+    CheckedRing<T> r;
+    r.p = validate();
+    r.header = ring_header(fn, r.p, options, sharding);
+    return r;
+  });
+  ring_attention_forward(rc, c.p, options, sharding);
+  finish_stats(stats, rc, t0);
+}
+
+/// One collective backward call, as ring_forward_call with `validate` giving
+/// the backward problem. Returns V1's dlambda summed over every rank (one per
+/// DIFF head with per-head lambda, else one); empty for the other kinds.
+template <class T, class Validate>
+std::vector<double> ring_backward_call(MPI_Comm comm, const char* fn,
+                                       const AttentionOptions& options, mpi::Sharding sharding,
+                                       mpi::RingStats* stats, Validate&& validate) {
+  const double t0 = mpi_now();
+  RingComm rc(comm, fn);
+  const auto c = checked_collective(rc, [&] {
+    CheckedRing<T> r;
+    r.bp = validate();
+    r.p = r.bp.fwd;
+    r.header = ring_header(fn, r.p, options, sharding);
+    return r;
+  });
+  std::vector<double> sum = ring_attention_backward(rc, c.bp, options, sharding);
+  if (!sum.empty()) rc.allreduce_sum(sum.data(), static_cast<int>(sum.size()));
+  finish_stats(stats, rc, t0);
+  return sum;
+}
+
+/// mpi::diff_attention_v1_backward with one lambda (lambda, dlambda (1)) or
+/// one per DIFF head (lambda_heads, dlambda (H)): dlambda gets the sums over
+/// every rank.
+template <class T>
+void ring_v1_backward(MPI_Comm comm, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                      TensorView<const T, 4> v, const T* lambda,
+                      const TensorView<const T, 1>* lambda_heads, TensorView<const T, 4> out,
+                      TensorView<const T, 3> lse, TensorView<const T, 4> dout, TensorView<T, 4> dq,
+                      TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
+                      const AttentionOptions& options, mpi::Sharding sharding,
+                      mpi::RingStats* stats) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_backward";
+  const std::vector<double> sum = ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
+    auto bp = backward_v1<T>(q, k, v, lambda, lambda_heads, out, lse, dout, dq, dk, dv, dlambda,
+                             options, fn);
+    if (bp.fwd.seqlen_q > 0 && !bp.fwd.has_lse()) fail(fn, "lse is required");
+    return bp;
+  });
+  for (std::size_t h = 0; h < sum.size(); ++h)
+    dlambda(static_cast<index_t>(h)) = static_cast<T>(sum[h]);
+}
+
 }  // namespace detail
 DIFFATTN_END_NAMESPACE
