@@ -44,6 +44,7 @@
 #include <diffattn/types.hpp>
 
 #include "attention_support.hpp"
+#include "half_support.hpp"
 #include "support.hpp"
 
 using diffattn::AttentionOptions;
@@ -56,23 +57,15 @@ using diffattn::TensorView;
 using test::cast;
 using test::random_tensor;
 using test::rel_error;
+using test::type_name;
+using test::unit_roundoff;
 
 namespace {
 
-/// Unit roundoff of the storage type.
-template <class S>
-constexpr double unit_roundoff() {
-  return std::is_same<S, bfloat16>::value ? 1.0 / 256 : 1.0 / 2048;
-}
 /// True when the tiled path of S storage runs Q K^T on bf16 dot products, so
 /// that it is not bitwise the float kernel's (see the top).
 template <class S>
 constexpr bool kBf16Dot = diffattn::detail::use_bf16_dot<S, S>;
-
-template <class S>
-const char* type_name() {
-  return std::is_same<S, bfloat16>::value ? "bfloat16" : "half";
-}
 
 enum class Kind { plain, v1, v2 };
 const char* name(Kind k) { return k == Kind::v1 ? "v1" : k == Kind::v2 ? "v2" : "plain"; }

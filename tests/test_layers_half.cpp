@@ -30,6 +30,7 @@
 #include <diffattn/types.hpp>
 
 #include "attention_support.hpp"
+#include "half_support.hpp"
 #include "support.hpp"
 
 using diffattn::bfloat16;
@@ -45,17 +46,10 @@ using test::bitwise_equal;
 using test::cast;
 using test::random_tensor;
 using test::rel_error;
+using test::type_name;
+using test::unit_roundoff;
 
 namespace {
-
-template <class S>
-constexpr double unit_roundoff() {
-  return std::is_same<S, bfloat16>::value ? 1.0 / 256 : 1.0 / 2048;
-}
-template <class S>
-const char* type_name() {
-  return std::is_same<S, bfloat16>::value ? "bfloat16" : "half";
-}
 
 /// The float layer's error against float64 (test_module.cpp's tolerance).
 constexpr double kFloatLayerTol = 1e-4;
