@@ -301,10 +301,11 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U
 /// the rows this far on: a few prefetches between each group of products,
 /// never a burst for a whole row (which measured no better than none).
 /// Measured on Zen 5, M = 32k, interleaved runs: V2 and GQA 16q/8kv read
-/// 1.4x faster on one thread than without, V1 1.1x; 16 KiB did better than
-/// 8, 32 or 128 KiB ahead, and into L1 better than into L2. With one query
-/// row per kv head (plain GQA 8q/8kv) the prefetches cost more than they gain
-/// (0.8x with the rows in L2, no gain from memory), so that step has none.
+/// 1.4x faster on one thread than with whole rows prefetched 128 KiB ahead
+/// into L2, V1 1.1x; into L1, 16 KiB ahead did as well as 8 KiB and better
+/// than 32, and better than into L2. With one query row per kv head (plain
+/// GQA 8q/8kv) the prefetches cost more than they gain (0.8x with the rows
+/// in L2, no gain from memory), so that step has none.
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
