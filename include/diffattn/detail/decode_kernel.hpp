@@ -87,10 +87,12 @@ DecodeChunks decode_chunks(const AttentionProblem<T, KV>& p, const SeqSpan& sq) 
 /// the lanes of P keys' packets at once, so no (row, key) pair pays for a
 /// horizontal sum. R and DP = dp / P (0: known only at run time) are
 /// constants, so that the queries stay in registers across the keys and the
-/// loop over a key's packets unrolls.
+/// loop over a key's packets unrolls. pre[u] (if pre is not null and pre[u]
+/// is not) is the row to prefetch the same features of as key u is read.
 template <int R, int DP, class C, class S>
-EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, index_t off, index_t U, index_t dp,
-                                        const C* q, index_t qstep, C* part, index_t pstep) {
+EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* pre, index_t off,
+                                        index_t U, index_t dp, const C* q, index_t qstep, C* part,
+                                        index_t pstep) {
   using Packet = typename TileConfig<C>::Packet;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
@@ -104,6 +106,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, index_t off, inde
       for (int t = 0; t < DP; ++t) qv[i][t] = ploadu<Packet>(q + i * qstep + t * P);
     for (index_t u = 0; u < U; ++u) {
       const S* k = krows[u] + off;
+      if (pre && pre[u]) prefetch_row<3>(pre[u] + off, DP * P);
       Packet acc[R];
       const Packet k0 = pload_widened<Packet>(k);
       for (int i = 0; i < R; ++i) acc[i] = pmul(qv[i][0], k0);
@@ -116,6 +119,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, index_t off, inde
   } else {
     for (index_t u = 0; u < U; ++u) {
       const S* k = krows[u] + off;
+      if (pre && pre[u]) prefetch_row<3>(pre[u] + off, dp);
       Packet acc[R];
       for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
       for (index_t t = 0; t < dp; t += P) {
@@ -130,23 +134,24 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, index_t off, inde
 /// partial_dots_n over `rows` query rows, four at a time. (Four rows of 8
 /// packets do not fit the registers and reload their queries from L1, which
 /// measured faster for MQA with d = 128 than blocks of 3 rows that fit.)
+/// The first four prefetch pre.
 template <int DP, class C, class S>
-EIGEN_ALWAYS_INLINE void partial_dots_rows(const S* const* krows, index_t off, index_t U,
-                                           index_t dp, const C* q, index_t qstep, C* part,
-                                           index_t pstep, index_t rows) {
+EIGEN_ALWAYS_INLINE void partial_dots_rows(const S* const* krows, const S* const* pre, index_t off,
+                                           index_t U, index_t dp, const C* q, index_t qstep,
+                                           C* part, index_t pstep, index_t rows) {
   constexpr int RB = 4;
   index_t i = 0;
-  for (; i + RB <= rows; i += RB)
-    partial_dots_n<RB, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep, pstep);
+  for (; i + RB <= rows; i += RB, pre = nullptr)
+    partial_dots_n<RB, DP>(krows, pre, off, U, dp, q + i * qstep, qstep, part + i * pstep, pstep);
   switch (rows - i) {
     case 1:
-      return partial_dots_n<1, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep,
+      return partial_dots_n<1, DP>(krows, pre, off, U, dp, q + i * qstep, qstep, part + i * pstep,
                                    pstep);
     case 2:
-      return partial_dots_n<2, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep,
+      return partial_dots_n<2, DP>(krows, pre, off, U, dp, q + i * qstep, qstep, part + i * pstep,
                                    pstep);
     case 3:
-      return partial_dots_n<3, DP>(krows, off, U, dp, q + i * qstep, qstep, part + i * pstep,
+      return partial_dots_n<3, DP>(krows, pre, off, U, dp, q + i * qstep, qstep, part + i * pstep,
                                    pstep);
     default:
       return;
@@ -157,16 +162,16 @@ EIGEN_ALWAYS_INLINE void partial_dots_rows(const S* const* krows, index_t off, i
 /// widths: 64 and 128 features in 4 or 8 packets (AVX-512: 16 floats) or 8
 /// (AVX2: 8 floats; 128 features run as `dp` known at run time).
 template <class C, class S>
-EIGEN_ALWAYS_INLINE void partial_dots(const S* const* krows, index_t off, index_t U, index_t dp,
-                                      const C* q, index_t qstep, C* part, index_t pstep,
-                                      index_t rows) {
+EIGEN_ALWAYS_INLINE void partial_dots(const S* const* krows, const S* const* pre, index_t off,
+                                      index_t U, index_t dp, const C* q, index_t qstep, C* part,
+                                      index_t pstep, index_t rows) {
   switch (dp / TileConfig<C>::kPacket) {
     case 4:
-      return partial_dots_rows<4>(krows, off, U, dp, q, qstep, part, pstep, rows);
+      return partial_dots_rows<4>(krows, pre, off, U, dp, q, qstep, part, pstep, rows);
     case 8:
-      return partial_dots_rows<8>(krows, off, U, dp, q, qstep, part, pstep, rows);
+      return partial_dots_rows<8>(krows, pre, off, U, dp, q, qstep, part, pstep, rows);
     default:
-      return partial_dots_rows<0>(krows, off, U, dp, q, qstep, part, pstep, rows);
+      return partial_dots_rows<0>(krows, pre, off, U, dp, q, qstep, part, pstep, rows);
   }
 }
 
@@ -229,10 +234,11 @@ EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
 /// row). The outputs stay in registers across the U keys, NP packets of
 /// each row at a time: an output packet is loaded and stored once per block
 /// of keys, not once per key (which made the step 2x slower on Zen 5 with the
-/// K/V rows in L2).
+/// K/V rows in L2). pre as for partial_dots_n.
 template <int R, int NP, class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t U, index_t dv,
-                                     C* o, index_t ostep, const C* w, index_t wstep) {
+EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre, index_t off,
+                                     index_t U, index_t dv, C* o, index_t ostep, const C* w,
+                                     index_t wstep) {
   using Packet = typename TileConfig<C>::Packet;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
@@ -246,6 +252,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t
       for (int c = 0; c < NP; ++c) acc[i][c] = ploadu<Packet>(o + i * ostep + t + c * P);
     for (index_t u = 0; u < U; ++u) {
       const S* v = vrows[u] + off + t;
+      if (pre && pre[u]) prefetch_row<3>(pre[u] + off + t, NP * P);
       Packet vp[NP];
       for (int c = 0; c < NP; ++c) vp[c] = pload_widened<Packet>(v + c * P);
       for (int i = 0; i < R; ++i) {
@@ -258,7 +265,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t
   }
   if constexpr (NP > 1) {
     // The rest of the packets one at a time, then the last dv % P features.
-    if (t < dv) return axpy_keys_n<R, 1>(vrows, off + t, U, dv - t, o + t, ostep, w, wstep);
+    if (t < dv) return axpy_keys_n<R, 1>(vrows, pre, off + t, U, dv - t, o + t, ostep, w, wstep);
   } else {
     for (; t < dv; ++t)
       for (int i = 0; i < R; ++i) {
@@ -270,42 +277,43 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, index_t off, index_t
 }
 
 /// axpy_keys_n over `rows` rows: four at a time with 32 vector registers
-/// (16 accumulators), two with 16.
+/// (16 accumulators), two with 16. The first of them prefetch pre.
 template <class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, index_t off, index_t U, index_t dv, C* o,
-                                   index_t ostep, const C* w, index_t wstep, index_t rows) {
+EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, const S* const* pre, index_t off,
+                                   index_t U, index_t dv, C* o, index_t ostep, const C* w,
+                                   index_t wstep, index_t rows) {
   constexpr int RB = TileConfig<C>::kVectorRegisters >= 32 ? 4 : 2;
   index_t i = 0;
-  for (; i + RB <= rows; i += RB)
-    axpy_keys_n<RB, 4>(vrows, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+  for (; i + RB <= rows; i += RB, pre = nullptr)
+    axpy_keys_n<RB, 4>(vrows, pre, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
   switch (rows - i) {
     case 3:
-      return axpy_keys_n<3, 4>(vrows, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+      return axpy_keys_n<3, 4>(vrows, pre, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
     case 2:
-      return axpy_keys_n<2, 4>(vrows, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+      return axpy_keys_n<2, 4>(vrows, pre, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
     case 1:
-      return axpy_keys_n<1, 4>(vrows, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
+      return axpy_keys_n<1, 4>(vrows, pre, off, U, dv, o + i * ostep, ostep, w + i * wstep, wstep);
     default:
       return;
   }
 }
 
 /// How far ahead of the row being read a decoding step asks for the cache's
-/// rows (into L1), when two or more query rows read each kv head.
+/// rows (into L1).
 ///
 /// A block reads P rows head after head, a stride of a whole row (2 KiB for
 /// 8 heads of 64 floats), which the hardware prefetchers do not follow: on
 /// Zen 5 with one thread the step then read its cache at about the sum of
 /// the times of the memory and of its instructions, not the larger of the
-/// two. So before a head's products the step prefetches the same head of
-/// the rows this far on: a few prefetches between each group of products,
-/// never a burst for a whole row (which measured no better than none).
-/// Measured on Zen 5, M = 32k, interleaved runs: V2 and GQA 16q/8kv read
-/// 1.4x faster on one thread than with whole rows prefetched 128 KiB ahead
-/// into L2, V1 1.1x; into L1, 16 KiB ahead did as well as 8 KiB and better
-/// than 32, and better than into L2. With one query row per kv head (plain
-/// GQA 8q/8kv) the prefetches cost more than they gain (0.8x with the rows
-/// in L2, no gain from memory), so that step has none.
+/// two. So as it loads a head of a row, the step prefetches the same head of
+/// the row this far on (partial_dots, axpy_keys: one prefetch per line, next
+/// to that line's loads). Measured on Zen 5, interleaved runs: with the K/V
+/// rows in L2, V2 1.3x faster than with each head's prefetches issued
+/// together before its products (a profile put the time on those
+/// prefetches); from memory (M = 32k, 2 threads) GQA 8q/8kv, which had no
+/// prefetch, 1.05-1.3x, V1 and V2 from 0.9x to 1.2x over three runs.
+/// 16 KiB ahead did as well as 32 to 128 KiB, and into L2 no better than
+/// into L1.
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
@@ -318,14 +326,6 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
     rows[jj] = row_of(j);
     pre[jj] = j + ahead < jhi ? row_of(j + ahead) : nullptr;
   }
-}
-
-/// Prefetches into L1 one head (`width` values at off) of each row of pre.
-template <class S>
-EIGEN_ALWAYS_INLINE void prefetch_heads(const S* const* pre, index_t jn, index_t off,
-                                        index_t width) {
-  for (index_t jj = 0; jj < jn; ++jj)
-    if (pre[jj]) prefetch_row<3>(pre[jj] + off, width);
 }
 
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
@@ -389,21 +389,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const index_t lanes_per_slot = dl.per_group / kh, rstep = kh * n;
   const index_t row_bytes = dl.groups * kh * d * static_cast<index_t>(sizeof(KV));
   const index_t kahead = std::max<index_t>(4, kDecodeAheadBytes / row_bytes);
-  const bool prefetch = dl.per_group * n >= 2;
   const KV* rows[P];  // the key (then value) rows of a block of keys
   const KV* pre[P];   // and those to prefetch
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, prefetch ? jhi : 0, kahead,
-               rows, pre);
+    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
     for (index_t g = 0; g < dl.groups; ++g)
       for (int slot = 0; slot < kh; ++slot) {
         const index_t off = (g * kh + slot) * ksh;
-        prefetch_heads(pre, jn, off, d);
         for (index_t ii = 0; ii < n; ++ii) {
           const index_t r0 = (g * dl.per_group + slot) * n + ii;
-          partial_dots(rows, off, jn, dp, qs + r0 * d, rstep * d, part + r0 * P * P, rstep * P * P,
-                       lanes_per_slot);
+          partial_dots(rows, ii ? nullptr : pre, off, jn, dp, qs + r0 * d, rstep * d,
+                       part + r0 * P * P, rstep * P * P, lanes_per_slot);
           for (index_t m = 0; tails && m < lanes_per_slot; ++m) {
             const C* qr = qs + (r0 + m * rstep) * d;
             for (index_t jj = 0; jj < jn; ++jj) {
@@ -440,16 +437,14 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       std::max<index_t>(4, kDecodeAheadBytes / (dl.groups * dv * static_cast<index_t>(sizeof(KV))));
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, prefetch ? jhi : 0, vahead,
-               rows, pre);
+    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
     for (index_t g = 0; g < dl.groups; ++g) {
-      prefetch_heads(pre, jn, g * vsh, dv);
       for (index_t ii = 0; ii < n; ++ii) {
         const index_t a = std::max(j0, rb[ii]), e = std::min(j0 + jn, re[ii]);
         if (a >= e) continue;
         const index_t r0 = g * dl.per_group * n + ii;  // rows r0 + m n, m < per_group
-        axpy_keys(rows + (a - j0), g * vsh, e - a, dv, o + r0 * dv, n * dv,
-                  s + r0 * lds + (a - jlo), n * lds, dl.per_group);
+        axpy_keys(rows + (a - j0), ii ? nullptr : pre + (a - j0), g * vsh, e - a, dv, o + r0 * dv,
+                  n * dv, s + r0 * lds + (a - jlo), n * lds, dl.per_group);
       }
     }
   }
