@@ -278,8 +278,11 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
   // the offset of its chunks' states (only when there are several).
   std::vector<index_t> first(at(S + 1), 0), chunks(at(S), 0), state_first(at(S + 1), 0);
   std::vector<DecodeChunks> plan(at(S));
+  double work = 0;  // multiply-adds, at most (every query against every key)
   for (index_t s = 0; s < S; ++s) {
     const SeqSpan sq = p.seq(s);
+    work += static_cast<double>(p.heads * p.maps() * sq.n) * static_cast<double>(sq.m) *
+            static_cast<double>(p.head_dim + p.value_dim);
     index_t tasks = 0, states = 0;
     if (sq.n > 0 && sq.n < Cfg::kMR) {
       plan[at(s)] = decode_chunks(p, sq);
@@ -326,7 +329,7 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
     for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk)
       process_block(p, s, oh, blk, ws, call_id);
   };
-  parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
+  parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, work), run_task,
                  [] { thread_workspace<C>().trim(); });
   if (states.empty()) return;
 
@@ -336,7 +339,7 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
     if (chunks[at(s)] > 1) split.push_back(s);
   const index_t merges = static_cast<index_t>(split.size());
   parallel_tasks(
-      merges, resolve_threads(options.num_threads, merges),
+      merges, resolve_threads(options.num_threads, merges, work),
       [&](index_t t) {
         const index_t s = split[at(t)];
         const SeqSpan sq = p.seq(s);
