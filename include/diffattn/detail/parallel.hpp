@@ -27,11 +27,11 @@ inline int resolve_threads(int requested, index_t tasks) {
 }
 
 /// Multiply-adds below which a call runs on one thread: waking a team costs
-/// more than the work. Measured on Zen 5 (2 cores), V2 over 8 tokens (65k
-/// multiply-adds) took 24 us on one thread and 25 on two, and 485 us on two
-/// next to another process doing the same (OpenMP's waiting threads spin on
-/// the cores the other one needs); over 32 tokens (1M) two threads were 1.4x
-/// faster than one.
+/// more than the work. Measured on Zen 5 (2 cores), V2 over 8 tokens (8
+/// heads of 64; 131k multiply-adds as run_attention counts them) took 24 us
+/// on one thread and 25 on two, and 485 us on two next to another process
+/// doing the same (OpenMP's waiting threads spin on the cores the other one
+/// needs); over 32 tokens (2.1M) two threads were 1.4x faster than one.
 constexpr double kMinParallelWork = 262144;
 
 /// resolve_threads for a call of `work` multiply-adds: 1 below
