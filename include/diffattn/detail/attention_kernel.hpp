@@ -47,6 +47,45 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// What the fused kernel does with each row of a block between its scores and
+/// its output (process_block's steps 4 and 6); the analysis kernel
+/// (analysis_impl.hpp) measures the rows there instead, through the same two
+/// calls.
+template <class T, class KV, class C>
+struct FusedRows {
+  /// Step 4, query i of sequence sq: the scores of its n visible keys (from
+  /// key kb) of map 1 at w and of map 2 at w2 (nullptr for one map) become
+  /// its weights over w: softmax, or W = A1 - lambda A2; each map's lse.
+  void weights(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh, const HeadMap& hm,
+               index_t i, index_t kb, index_t n, C* w, C* w2) const {
+    using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+    (void)kb;
+    const RowStats<C> st1 = exp_row(w, n, false);
+    const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
+    if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
+    if (w2) {
+      const RowStats<C> st2 = exp_row(w2, n, false);
+      const C c2 = st2.sum > C(0) ? row_lambda(p, sq.b, i, oh) / st2.sum : C(0);
+      if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = row_lse(st2);
+      ArrayMap wa(w, n);
+      wa = wa * c1 - ArrayMap(w2, n) * c2;
+    } else {
+      ArrayMap(w, n) *= c1;
+    }
+  }
+  /// Step 6: output row i (dv values at o) to the caller's layout, rounded
+  /// once to T for 16-bit storage.
+  void output(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh, index_t i, index_t n,
+              const C* o) const {
+    (void)n;
+    T* dst = &p.out(sq.b, i, oh, 0);
+    if constexpr (std::is_same<T, C>::value)
+      std::memcpy(dst, o, static_cast<std::size_t>(p.value_dim) * sizeof(T));
+    else
+      convert_row(o, p.value_dim, dst);
+  }
+};
+
 /// One task: sequence `seq`, output head oh, query block blk (decoding steps,
 /// fewer than kMR queries, go to decode_kernel.hpp instead). Keys and values
 /// come through the problem's row source, so contiguous, per-sequence-length
@@ -65,12 +104,14 @@ namespace detail {
 /// and keys are packed as bf16 pairs instead, unscaled and unwidened, and
 /// S = Q K^T runs on bf16 dot products with the scale applied to each score;
 /// the rest is the same.
-template <class T, class KV, class C = compute_t<T>>
+///
+/// Steps 4 and 6 go through `rows_do` (FusedRows, or the analysis' measuring
+/// rows).
+template <class T, class KV, class C = compute_t<T>, class RowsDo = FusedRows<T, KV, C>>
 void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, index_t blk,
-                   Workspace<C>& ws, std::uint64_t call_id) {
+                   Workspace<C>& ws, std::uint64_t call_id, const RowsDo& rows_do = RowsDo()) {
   using Cfg = TileConfig<C>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
-  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
 
   const SeqSpan sq = p.seq(seq);
   const index_t d = p.head_dim, dv = p.value_dim;
@@ -166,25 +207,14 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     }
   }
 
-  // 4. Exact softmax per row and map over its visible keys; W = A1 - lambda A2
-  //    over S_1. Entries outside a row's keys are never read again.
+  // 4. Per row, its weights over its visible keys (FusedRows: exact softmax
+  //    per map, W = A1 - lambda A2 over S_1). Entries outside a row's keys are
+  //    never read again.
   for (index_t ii = 0; ii < rows; ++ii) {
-    const index_t i = sq.q0 + i0 + ii, n = br.count(ii);
-    const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
-    C* w = s[0] + ii * lds + off;
-    const RowStats<C> st1 = exp_row(w, n, false);
-    const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
-    if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
-    if (maps == 2) {
-      C* s2 = s[1] + ii * lds + off;
-      const RowStats<C> st2 = exp_row(s2, n, false);
-      const C c2 = st2.sum > C(0) ? row_lambda(p, sq.b, i, oh) / st2.sum : C(0);
-      if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = row_lse(st2);
-      ArrayMap wa(w, n);
-      wa = wa * c1 - ArrayMap(s2, n) * c2;
-    } else {
-      ArrayMap(w, n) *= c1;
-    }
+    const index_t n = br.count(ii), kb = n > 0 ? br.begin(ii) : kbase;
+    const index_t off = kb - kbase;
+    rows_do.weights(p, sq, oh, hm, sq.q0 + i0 + ii, kb, n, s[0] + ii * lds + off,
+                    maps == 2 ? s[1] + ii * lds + off : nullptr);
   }
 
   // 5. O (rows_pad, dvp) = W V, value chunk by chunk.
@@ -233,14 +263,9 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     }
   }
 
-  // 6. Rows to the caller's layout (rounded once to T for 16-bit storage).
-  for (index_t ii = 0; ii < rows; ++ii) {
-    T* dst = &p.out(sq.b, sq.q0 + i0 + ii, oh, 0);
-    if constexpr (std::is_same<T, C>::value)
-      std::memcpy(dst, o + ii * dvp, static_cast<std::size_t>(dv) * sizeof(T));
-    else
-      convert_row(o + ii * dvp, dv, dst);
-  }
+  // 6. Rows to the caller (FusedRows: its layout, rounded once to T).
+  for (index_t ii = 0; ii < rows; ++ii)
+    rows_do.output(p, sq, oh, sq.q0 + i0 + ii, br.count(ii), o + ii * dvp);
 }
 
 inline std::uint64_t next_call_id() {
