@@ -319,7 +319,7 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
           p.kind == AttnKind::v1 ? dlambda_parts.data() + sq * p.heads + g * p.group : nullptr;
       backward_group(bp, sq, g, thread_backward_workspace<T>(), parts);
     };
-    parallel_tasks(tasks, resolve_threads(options.num_threads, tasks), run_task,
+    parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, attention_work(p)), run_task,
                    [] { thread_backward_workspace<T>().trim(); });
   }
   if (p.kind == AttnKind::v1) {

@@ -268,6 +268,20 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     rows_do.output(p, sq, oh, sq.q0 + i0 + ii, br.count(ii), o + ii * dvp);
 }
 
+/// The multiply-adds of a call, at most (every query of every lane against
+/// every key of its sequence, for the scores and for W V): what
+/// resolve_threads weighs against the cost of waking threads.
+template <class T, class KV>
+double attention_work(const AttentionProblem<T, KV>& p) {
+  double work = 0;
+  for (index_t s = 0; s < p.num_seqs(); ++s) {
+    const SeqSpan sq = p.seq(s);
+    work += static_cast<double>(p.heads * p.maps() * sq.n) * static_cast<double>(sq.m) *
+            static_cast<double>(p.head_dim + p.value_dim);
+  }
+  return work;
+}
+
 inline std::uint64_t next_call_id() {
   static std::atomic<std::uint64_t> counter{0};
   return ++counter;
@@ -303,11 +317,9 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
   // the offset of its chunks' states (only when there are several).
   std::vector<index_t> first(at(S + 1), 0), chunks(at(S), 0), state_first(at(S + 1), 0);
   std::vector<DecodeChunks> plan(at(S));
-  double work = 0;  // multiply-adds, at most (every query against every key)
+  const double work = attention_work(p);
   for (index_t s = 0; s < S; ++s) {
     const SeqSpan sq = p.seq(s);
-    work += static_cast<double>(p.heads * p.maps() * sq.n) * static_cast<double>(sq.m) *
-            static_cast<double>(p.head_dim + p.value_dim);
     index_t tasks = 0, states = 0;
     if (sq.n > 0 && sq.n < Cfg::kMR) {
       plan[at(s)] = decode_chunks(p, sq);

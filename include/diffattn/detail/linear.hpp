@@ -120,6 +120,8 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
   // bench_linear at 1024 x 1024: equal near 96 rows).
   constexpr index_t kDotRows = 96;
   if (rows == 0 || out == 0) return;
+  const double work =
+      static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
   if (rows < kDotRows) {
     // Few rows (decoding): packing W would cost more than the product. Dot
     // products against W's contiguous rows, threads over blocks of outputs.
@@ -133,7 +135,7 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
       xc = row_as<T>(x, rows * in, thread_linear_workspace<T>().wide_x.get(rows * in));
     const index_t blocks = (out + kOutBlock - 1) / kOutBlock;
     parallel_tasks(
-        blocks, resolve_threads(threads, blocks),
+        blocks, resolve_threads(threads, blocks, work),
         [&](index_t blk) {
           T* wbuf = nullptr;
           if constexpr (!std::is_same<SW, T>::value)
@@ -149,7 +151,7 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
       thread_linear_workspace<T>().trim();
     return;
   }
-  const int nt = resolve_threads(threads, rows);
+  const int nt = resolve_threads(threads, rows, work);
   // B = W^T in panels of kNR outputs, packed in parallel. A 16-bit W is
   // widened here, a slab of outputs at a time: panels of the whole W in float
   // would take twice W's own bytes. Each output still sums over the depth in
@@ -176,14 +178,16 @@ void linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t o
                      T* dw, T* dx, bool accumulate_dx, int threads = 0) {
   constexpr index_t NR = TileConfig<T>::kNR;
   LinearWorkspace<T>& ws = thread_linear_workspace<T>();
+  const double work =
+      static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
   if (dx != nullptr) {
-    const int nt = resolve_threads(threads, std::max<index_t>(rows, 1));
+    const int nt = resolve_threads(threads, std::max<index_t>(rows, 1), work);
     T* bp = ws.b.get(std::max<index_t>(round_up(in, NR) * out, 1));
     pack_cols(w, in, out, in, bp);  // B = W (out, in)
     gemm_packed_b(rows, in, out, dy, out, bp, dx, in, accumulate_dx, nt);
   }
   // dW = dy^T x: A = dy^T (out, rows), B = x (rows, in).
-  const int nt = resolve_threads(threads, std::max<index_t>(out, 1));
+  const int nt = resolve_threads(threads, std::max<index_t>(out, 1), work);
   T* at = ws.at.get(std::max<index_t>(out * rows, 1));
   for (index_t r = 0; r < rows; ++r)
     for (index_t o = 0; o < out; ++o) at[o * rows + r] = dy[r * out + o];
