@@ -302,18 +302,16 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, const S* const* pre, i
 /// rows (into L1).
 ///
 /// A block reads P rows head after head, a stride of a whole row (2 KiB for
-/// 8 heads of 64 floats), which the hardware prefetchers do not follow: on
-/// Zen 5 with one thread the step then read its cache at about the sum of
-/// the times of the memory and of its instructions, not the larger of the
-/// two. So as it loads a head of a row, the step prefetches the same head of
-/// the row this far on (partial_dots, axpy_keys: one prefetch per line, next
-/// to that line's loads). Measured on Zen 5, interleaved runs: with the K/V
-/// rows in L2, V2 1.3x faster than with each head's prefetches issued
-/// together before its products (a profile put the time on those
-/// prefetches); from memory (M = 32k, 2 threads) GQA 8q/8kv, which had no
-/// prefetch, 1.05-1.3x, V1 and V2 from 0.9x to 1.2x over three runs.
-/// 16 KiB ahead did as well as 32 to 128 KiB, and into L2 no better than
-/// into L1.
+/// 8 heads of 64 floats). As it loads a head of a row, the step prefetches
+/// the same head of the row this far on (partial_dots, axpy_keys: one
+/// prefetch per line, next to that line's loads; issued together before a
+/// head's products, the prefetches stalled the step: 1.3x slower for V2 with
+/// the rows in L2). On Zen 5 the prefetch neither helps nor hurts: with the
+/// variants compiled side by side in one process, the step without it ran
+/// 0.96-1.04x as fast from memory (1 and 2 threads, contiguous and paged
+/// caches with blocks of 1 and 16 rows in random order) and in L2, and 32 or
+/// 64 KiB ahead, into L2, or in address order did no better. It stays for
+/// cores whose prefetchers follow the stride less well (not measured here).
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
