@@ -5,8 +5,19 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#define DIFFATTN_BENCH_CPUID 1
+#endif
 
 #include <diffattn/detail/random.hpp>
 #include <diffattn/detail/tile.hpp>
@@ -29,6 +40,79 @@ Tensor<float, R> random4(std::array<index_t, R> shape, std::uint64_t seed) {
   diffattn::detail::Rng rng(seed);
   for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<float>(rng.normal());
   return t;
+}
+
+/// The L3 one core sees on an AMD processor: its core complex's, from CPUID
+/// 0x8000001D; 32 MiB (a Zen 2-5 core complex's, at least) when the leaf is
+/// missing, as on virtual machines whose CPUID 0x80000006 (what sysconf
+/// reads) reports the whole socket's L3 (508 MiB on the Zen 5 used here,
+/// against 32 MiB per core complex: rotating 2 GiB instead of 128 MiB halved
+/// the read probe there, as address translation took over). 0 elsewhere.
+inline std::size_t amd_core_complex_l3() {
+#ifdef DIFFATTN_BENCH_CPUID
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+  if (!amd) return 0;
+  for (unsigned i = 0; i < 8 && __get_cpuid_count(0x8000001D, i, &a, &b, &c, &d); ++i) {
+    if ((a & 31) == 0) break;
+    if (((a >> 5) & 7) == 3)
+      return std::size_t((b >> 22) + 1) * (((b >> 12) & 0x3ff) + 1) * ((b & 0xfff) + 1) * (c + 1);
+  }
+  return std::size_t(32) << 20;
+#else
+  return 0;
+#endif
+}
+
+/// The last-level cache the memory-bound benchmarks must not fit in, in
+/// bytes: DIFFATTN_BENCH_LLC_MIB if set; else on AMD the core complex's L3
+/// (amd_core_complex_l3), elsewhere the L3 the system reports (480 MiB on
+/// some Intel parts); at least 32 MiB.
+inline std::size_t last_level_cache_bytes() {
+  static const std::size_t bytes = [] {
+    constexpr std::size_t kMiB = std::size_t(1) << 20;
+    if (const char* env = std::getenv("DIFFATTN_BENCH_LLC_MIB")) {
+      const long mib = std::atol(env);
+      if (mib > 0) return static_cast<std::size_t>(mib) * kMiB;
+    }
+    std::size_t l3 = amd_core_complex_l3();
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    if (l3 == 0) {
+      const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+      if (v > 0) l3 = static_cast<std::size_t>(v);
+    }
+#endif
+    return std::max(l3, 32 * kMiB);
+  }();
+  return bytes;
+}
+
+/// The size in every benchmark binary's context (printed before the runs).
+inline const bool kLastLevelCacheReported = [] {
+  benchmark::AddCustomContext("last_level_cache_MiB",
+                              std::to_string(last_level_cache_bytes() >> 20));
+  return true;
+}();
+
+/// Copies of a cache of `bytes` to rotate through so that one pass over them
+/// covers at least 4 x last_level_cache_bytes(): every step then reads its
+/// cache from memory.
+inline std::size_t cold_copies(std::size_t bytes) {
+  const std::size_t set = 4 * last_level_cache_bytes();
+  return std::max<std::size_t>(1, (set + bytes - 1) / std::max<std::size_t>(bytes, 1));
+}
+
+/// Fills t with uniform values in [-1, 1), stored as S: cheap enough for
+/// GiB-sized caches.
+template <class S, std::size_t R>
+void fill_uniform(Tensor<S, R>& t, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (index_t i = 0; i < t.size(); ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    t.data()[i] = static_cast<S>(static_cast<float>(static_cast<std::int32_t>(x >> 32)) *
+                                 (1.0f / 2147483648.0f));
+  }
 }
 
 /// Visible (query, key) pairs of a causal square of n.

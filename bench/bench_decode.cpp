@@ -4,9 +4,11 @@
 // stream: BM_ReadBandwidth in the same binary (1 and 2 threads).
 //
 // The caches are NOT already in cache: several copies of K/V are rotated so
-// that the working set is at least kWorkingSet = 4 x kL3Bytes. kL3Bytes is this
-// machine's L3 (32 MiB, AMD EPYC); on a machine with a larger L3 (Intel parts
-// with 480 MiB) raise kL3Bytes to its size.
+// that the working set is at least 4 x the last-level cache one core sees
+// (bench::last_level_cache_bytes: an AMD core complex's L3, 32 MiB; the L3
+// the system reports elsewhere, 480 MiB on some Intel parts;
+// DIFFATTN_BENCH_LLC_MIB overrides it), printed in the context as
+// last_level_cache_MiB.
 //
 // Shapes (embedding width 1024, d = 64):
 //   V1      8 DIFF heads on 8 kv pairs: k (M, 16, 64), v (M, 8, 128)
@@ -34,26 +36,14 @@ namespace {
 using namespace bench;
 using diffattn::KVCacheBatch;
 
-constexpr std::size_t kL3Bytes = std::size_t(32) << 20;
-constexpr std::size_t kWorkingSet = 4 * kL3Bytes;
-
-/// Fills t with uniform values in [-1, 1): cheap enough for GiB-sized caches.
-template <std::size_t R>
-void fill_uniform(Tensor<float, R>& t, std::uint64_t seed) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (index_t i = 0; i < t.size(); ++i) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t.data()[i] = static_cast<float>(static_cast<std::int32_t>(x >> 32)) * (1.0f / 2147483648.0f);
-  }
-}
-
-/// Stream-reads a buffer of 8 x kL3Bytes: the bandwidth a memory-bound kernel
-/// can reach with this many threads.
+/// Stream-reads a buffer of 8 x the last-level cache (at least 256 MiB): the
+/// bandwidth a memory-bound kernel can reach with this many threads.
 void BM_ReadBandwidth(benchmark::State& state) {
   using Packet = diffattn::detail::TileConfig<float>::Packet;
   constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
   const int threads = static_cast<int>(state.range(0));
-  const index_t n = static_cast<index_t>(8 * kL3Bytes / sizeof(float));
+  const std::size_t bytes = 8 * last_level_cache_bytes();
+  const index_t n = static_cast<index_t>(bytes / sizeof(float)) / 4096 * 4096;
   Tensor<float, 1> buf({n});
   fill_uniform(buf, 1);
   for (auto _ : state) {
@@ -91,8 +81,7 @@ void decode(benchmark::State& state, const Layer& L) {
   const std::size_t kv_bytes =
       static_cast<std::size_t>(B * M) * static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4;
   const bool warm = state.range(3) != 0;
-  const std::size_t copies =
-      warm ? 1 : std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
+  const std::size_t copies = warm ? 1 : cold_copies(kv_bytes);
   std::vector<Tensor<float, 4>> ks, vs;
   for (std::size_t c = 0; c < copies; ++c) {
     ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});

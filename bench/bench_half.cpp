@@ -20,8 +20,8 @@
 //                         d = 64, N = 2048, causal, everything in S.
 //
 // As in bench_decode.cpp, caches are rotated copies so that the working set
-// is at least 4 x 32 MiB (this machine's L3): a step reads its cache from
-// memory. The bytes counter is the cache bytes a step reads.
+// is at least 4 x the last-level cache (bench::cold_copies): a step reads its
+// cache from memory. The bytes counter is the cache bytes a step reads.
 //
 // Before the runs, the program prints the memory of a V2 layer of this shape
 // (embedding 1024) and of its cache of 32k tokens in float and in bfloat16.
@@ -47,27 +47,14 @@ using namespace bench;
 using diffattn::bfloat16;
 using diffattn::KVCacheBatch;
 
-constexpr std::size_t kL3Bytes = std::size_t(32) << 20;
-constexpr std::size_t kWorkingSet = 4 * kL3Bytes;
 constexpr index_t kKvHeads = 8, kQueryHeads = 16;
-
-/// Uniform values in [-1, 1), stored as S.
-template <class S, std::size_t R>
-void fill_uniform(Tensor<S, R>& t, std::uint64_t seed) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (index_t i = 0; i < t.size(); ++i) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    t.data()[i] = static_cast<S>(static_cast<float>(static_cast<std::int32_t>(x >> 32)) *
-                                 (1.0f / 2147483648.0f));
-  }
-}
 
 template <class S, class Q = float>
 void BM_HalfDecode_V2(benchmark::State& state) {
   const index_t M = state.range(0), d = kHeadDim;
   const int threads = static_cast<int>(state.range(1));
   const std::size_t kv_bytes = static_cast<std::size_t>(M * 2 * kKvHeads * d) * sizeof(S);
-  const std::size_t copies = std::max<std::size_t>(1, (kWorkingSet + kv_bytes - 1) / kv_bytes);
+  const std::size_t copies = cold_copies(kv_bytes);
   std::vector<Tensor<S, 4>> ks, vs;
   for (std::size_t c = 0; c < copies; ++c) {
     ks.emplace_back(std::array<index_t, 4>{1, M, kKvHeads, d});
