@@ -15,16 +15,18 @@
 //   V2      16 query heads (8 pairs) on 8 kv heads: k, v (M, 8, 64)
 //   Plain8  8 query heads on 8 kv heads; Plain16 16 query heads on 8 kv heads
 //   MQA     8 query heads on one kv head of d = 128, M = 256k, B = 1
+//   Paged   V2 over a paged cache: blocks of 16 or 256 rows, each sequence's
+//           blocks in a random order of the pool
 // The bytes counter is the K/V bytes a step reads (B x M rows of every kv head).
 //
-// Arguments: {M, B, threads, warm}. warm = 1 (the BM_DecodeWarm_* runs): the
-// caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2), so
-// the step runs at the speed of its instructions, the bound on what any
-// memory could give it.
+// Arguments: {M, B, threads, warm} (Paged: and the block size). warm = 1 (the
+// BM_DecodeWarm_* runs): the caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2),
+// so the step runs at the speed of its instructions, the bound on what any memory could give it.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include <diffattn/kvcache_attention.hpp>
@@ -74,20 +76,36 @@ struct Layer {
 };
 
 /// Rotated copies of the caches and one step's inputs, run through the
-/// layer's kvcache kernel.
-void decode(benchmark::State& state, const Layer& L) {
+/// layer's kvcache kernel. block_size > 0: each copy is a pool of blocks of
+/// that many rows, (B M / block_size, block_size, H, D), and the block table
+/// gives each sequence's blocks in a random order, as a paged cache that has
+/// been filled and freed for a while would.
+void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
   const index_t M = state.range(0), B = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   const std::size_t kv_bytes =
       static_cast<std::size_t>(B * M) * static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4;
   const bool warm = state.range(3) != 0;
   const std::size_t copies = warm ? 1 : cold_copies(kv_bytes);
+  const index_t blocks = block_size > 0 ? B * M / block_size : 0;
   std::vector<Tensor<float, 4>> ks, vs;
   for (std::size_t c = 0; c < copies; ++c) {
-    ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
-    vs.emplace_back(std::array<index_t, 4>{B, M, L.vh, L.dv});
+    if (block_size > 0) {
+      ks.emplace_back(std::array<index_t, 4>{blocks, block_size, L.kh, L.d});
+      vs.emplace_back(std::array<index_t, 4>{blocks, block_size, L.vh, L.dv});
+    } else {
+      ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
+      vs.emplace_back(std::array<index_t, 4>{B, M, L.vh, L.dv});
+    }
     fill_uniform(ks.back(), 2 * c + 1);
     fill_uniform(vs.back(), 2 * c + 2);
+  }
+  Tensor<index_t, 2> table({block_size > 0 ? B : 0, block_size > 0 ? M / block_size : 0});
+  if (block_size > 0) {
+    std::vector<index_t> order(static_cast<std::size_t>(blocks));
+    for (index_t i = 0; i < blocks; ++i) order[static_cast<std::size_t>(i)] = i;
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(11));
+    std::copy(order.begin(), order.end(), table.data());
   }
   auto q = random4({B, 1, L.qh, L.d}, 7);
   Tensor<float, 3> logit({B, 1, L.qh / 2});
@@ -97,6 +115,7 @@ void decode(benchmark::State& state, const Layer& L) {
   for (index_t b = 0; b < B; ++b) lens(b) = M;
   KVCacheBatch cache;
   cache.cache_seqlens = lens;
+  if (block_size > 0) cache.block_table = table;
   diffattn::AttentionOptions o;
   o.causal = true;
   o.num_threads = threads;
@@ -126,6 +145,7 @@ void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64})
 void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
 void BM_Decode_Plain16(benchmark::State& s) { decode(s, {Kind::plain, 16, 8, 8, 64, 64}); }
 void BM_Decode_MQA(benchmark::State& s) { decode(s, {Kind::plain, 8, 1, 1, 128, 128}); }
+void BM_DecodePaged_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}, s.range(4)); }
 void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
 void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
 
@@ -147,6 +167,11 @@ BENCHMARK(BM_Decode_Plain16)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_MQA)
     ->Args({262144, 1, 1, 0})
     ->Args({262144, 1, 2, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_DecodePaged_V2)
+    ->Args({32768, 1, 2, 0, 16})
+    ->Args({32768, 1, 2, 0, 256})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
