@@ -46,8 +46,9 @@ Tensor<float, R> random4(std::array<index_t, R> shape, std::uint64_t seed) {
 /// 0x8000001D; 32 MiB (a Zen 2-5 core complex's, at least) when the leaf is
 /// missing, as on virtual machines whose CPUID 0x80000006 (what sysconf
 /// reads) reports the whole socket's L3 (508 MiB on the Zen 5 used here,
-/// against 32 MiB per core complex: rotating 2 GiB instead of 128 MiB halved
-/// the read probe there, as address translation took over). 0 elsewhere.
+/// against 32 MiB per core complex; rotating 2 GiB instead of 128 MiB there
+/// halved the read probe, presumably through address translation). 0
+/// elsewhere.
 inline std::size_t amd_core_complex_l3() {
 #ifdef DIFFATTN_BENCH_CPUID
   unsigned a = 0, b = 0, c = 0, d = 0;
