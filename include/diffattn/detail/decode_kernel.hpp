@@ -106,7 +106,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* p
       for (int t = 0; t < DP; ++t) qv[i][t] = ploadu<Packet>(q + i * qstep + t * P);
     for (index_t u = 0; u < U; ++u) {
       const S* k = krows[u] + off;
-      if (pre && pre[u]) prefetch_row<3>(pre[u] + off, DP * P);
+      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, DP * P);
       Packet acc[R];
       const Packet k0 = pload_widened<Packet>(k);
       for (int i = 0; i < R; ++i) acc[i] = pmul(qv[i][0], k0);
@@ -119,7 +119,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* p
   } else {
     for (index_t u = 0; u < U; ++u) {
       const S* k = krows[u] + off;
-      if (pre && pre[u]) prefetch_row<3>(pre[u] + off, dp);
+      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, dp);
       Packet acc[R];
       for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
       for (index_t t = 0; t < dp; t += P) {
@@ -252,7 +252,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre,
       for (int c = 0; c < NP; ++c) acc[i][c] = ploadu<Packet>(o + i * ostep + t + c * P);
     for (index_t u = 0; u < U; ++u) {
       const S* v = vrows[u] + off + t;
-      if (pre && pre[u]) prefetch_row<3>(pre[u] + off + t, NP * P);
+      if (pre && pre[u]) prefetch_row<0>(pre[u] + off + t, NP * P);
       Packet vp[NP];
       for (int c = 0; c < NP; ++c) vp[c] = pload_widened<Packet>(v + c * P);
       for (int i = 0; i < R; ++i) {
@@ -299,20 +299,25 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, const S* const* pre, i
 }
 
 /// How far ahead of the row being read a decoding step asks for the cache's
-/// rows (into L1).
+/// rows: 16 KiB of rows, at least 4 and at most 16 rows.
 ///
 /// A block reads P rows head after head, a stride of a whole row (2 KiB for
-/// 8 heads of 64 floats). As it loads a head of a row, the step prefetches
-/// the same head of the row this far on (partial_dots, axpy_keys: one
-/// prefetch per line, next to that line's loads; issued together before a
-/// head's products, the prefetches stalled the step: 1.3x slower for V2 with
-/// the rows in L2). On Zen 5 the prefetch neither helps nor hurts: with the
-/// variants compiled side by side in one process, the step without it ran
-/// 0.96-1.04x as fast from memory (1 and 2 threads, contiguous and paged
-/// caches with blocks of 1 and 16 rows in random order) and in L2, and 32 or
-/// 64 KiB ahead, into L2, or in address order did no better. It stays for
-/// cores whose prefetchers follow the stride less well (not measured here).
+/// 8 heads of 64 floats), which the hardware prefetchers do not follow. As it
+/// loads a head of a row, the step prefetches the same head of the row this
+/// far on with the non-temporal hint (partial_dots, axpy_keys: one prefetch
+/// per line, next to that line's loads; issued together before a head's
+/// products, the prefetches stalled the step: 1.3x slower for V2 with the
+/// rows in L2). Measured on Zen 5, M = 32k, 2 threads, with the variants
+/// compiled side by side in one process, against no prefetch: V2 1.16x,
+/// GQA 16q 1.16x, MQA 1.31x as fast with the T0 hint, and the non-temporal
+/// hint a further 1.07-1.12x for V2 and the GQA steps (V1, MQA 1.02-1.03x).
+/// 8 or 32 KiB ahead did worse for V2, T1 or prefetching in address order
+/// worse for all; MQA (rows of 512 bytes) gains 1.07x from the 16-row cap.
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
+
+inline index_t decode_ahead_rows(index_t row_bytes) {
+  return std::min<index_t>(16, std::max<index_t>(4, kDecodeAheadBytes / row_bytes));
+}
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
 /// heads), and the rows `ahead` keys on into pre (nullptr from jhi on).
@@ -386,7 +391,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   C* tails = dp < d ? ws.q[1].get(R * P) : nullptr;
   const index_t lanes_per_slot = dl.per_group / kh, rstep = kh * n;
   const index_t row_bytes = dl.groups * kh * d * static_cast<index_t>(sizeof(KV));
-  const index_t kahead = std::max<index_t>(4, kDecodeAheadBytes / row_bytes);
+  const index_t kahead = decode_ahead_rows(row_bytes);
   const KV* rows[P];  // the key (then value) rows of a block of keys
   const KV* pre[P];   // and those to prefetch
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
@@ -432,7 +437,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   // it does not see into a NaN output).
   std::fill(o, o + R * dv, C(0));
   const index_t vahead =
-      std::max<index_t>(4, kDecodeAheadBytes / (dl.groups * dv * static_cast<index_t>(sizeof(KV))));
+      decode_ahead_rows(dl.groups * dv * static_cast<index_t>(sizeof(KV)));
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
