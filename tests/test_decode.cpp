@@ -37,6 +37,7 @@ struct Case {
   std::vector<index_t> seqlens;
   bool causal = true;
   index_t window_left = -1;
+  index_t plain_dv_extra = 3;  // plain attention: value width d + this
 };
 
 const char* name(Kind k) { return k == Kind::v1 ? "v1" : k == Kind::v2 ? "v2" : "plain"; }
@@ -52,7 +53,7 @@ Dims dims(const Case& c) {
     case Kind::v2:
       return {2 * c.H, c.Hkv, c.Hkv, c.d, c.H};
     default:
-      return {c.H, c.Hkv, c.Hkv, c.d + 3, c.H};
+      return {c.H, c.Hkv, c.Hkv, c.d + c.plain_dv_extra, c.H};
   }
 }
 
@@ -315,6 +316,26 @@ TEST_CASE("decoding with the usual head widths and many query rows per kv head",
         for (index_t n : {1, 2}) {
           const index_t H = kind == Kind::v2 ? (h + 1) / 2 : h;  // V2: 2 rows per pair
           check_case(Case{kind, n, H, 1, d, 70, {70, 33}, true}, seed += 10);
+        }
+}
+
+TEST_CASE("decoding reads several kv heads of a row together", "[decode]") {
+  // With AVX-512 the step reads 2 or 4 consecutive kv heads of a row at once
+  // when each has one or two query rows of width 64 (or one of 128): plain
+  // GQA with 1 or 2 query heads per kv head, V2, and V1 (its two key heads
+  // per pair, across pairs when a pair has one DIFF head, within a pair when
+  // it has two). 3, 5 and 6 kv heads leave heads over for one at a time;
+  // plain attention's values are as wide as its keys, so that they are read
+  // together too.
+  std::uint64_t seed = 32800;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t d : {64, 128})
+      for (index_t Hkv : {3, 4, 5, 6})
+        for (index_t ratio : {1, 2}) {
+          if (kind == Kind::v2 && ratio == 1) continue;
+          const index_t H = kind == Kind::v2 ? Hkv * ratio / 2 : Hkv * ratio;
+          for (index_t n : {1, 2})
+            check_case(Case{kind, n, H, Hkv, d, 53, {53, 20}, true, -1, 0}, seed += 10);
         }
 }
 
