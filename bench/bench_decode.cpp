@@ -18,6 +18,12 @@
 //   Paged   V2 over a paged cache: blocks of 16 or 256 rows, each sequence's
 //           blocks in a random order of the pool
 // The bytes counter is the K/V bytes a step reads (B x M rows of every kv head).
+// Cold runs also stream-read a cache copy between steps, with the step's
+// threads (stream_read, the probe of BM_ReadBandwidth): `probe` is that
+// read's rate and `of_probe` the step's rate over it. Measured step by step
+// in the same process, the ratio holds when the neighbours' load on a shared
+// host moves the memory bandwidth (by 25-84 GB/s on 2 threads between runs
+// on the Zen 5 VM); the step's time alone is reported.
 //
 // Arguments: {M, B, threads, warm} (Paged: and the block size). warm = 1 (the
 // BM_DecodeWarm_* runs): the caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2),
@@ -25,6 +31,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -38,33 +45,37 @@ namespace {
 using namespace bench;
 using diffattn::KVCacheBatch;
 
+/// Reads n floats at p (n a multiple of 4096) with `threads` threads, each a
+/// contiguous share, through eight packet accumulators: the probe.
+float stream_read(const float* p, index_t n, int threads) {
+  using Packet = diffattn::detail::TileConfig<float>::Packet;
+  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
+  float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
+#endif
+  for (index_t c = 0; c < n / 4096; ++c) {
+    using namespace Eigen::internal;
+    const float* b = p + c * 4096;
+    Packet a[8];
+    for (auto& x : a) x = pset1<Packet>(0.f);
+    for (index_t i = 0; i < 4096; i += 8 * P)
+      for (int u = 0; u < 8; ++u) a[u] = padd(a[u], ploadu<Packet>(b + i + u * P));
+    for (int u = 1; u < 8; ++u) a[0] = padd(a[0], a[u]);
+    sink += predux(a[0]);
+  }
+  return sink;
+}
+
 /// Stream-reads a buffer of 8 x the last-level cache (at least 256 MiB): the
 /// bandwidth a memory-bound kernel can reach with this many threads.
 void BM_ReadBandwidth(benchmark::State& state) {
-  using Packet = diffattn::detail::TileConfig<float>::Packet;
-  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
   const int threads = static_cast<int>(state.range(0));
   const std::size_t bytes = 8 * last_level_cache_bytes();
   const index_t n = static_cast<index_t>(bytes / sizeof(float)) / 4096 * 4096;
   Tensor<float, 1> buf({n});
   fill_uniform(buf, 1);
-  for (auto _ : state) {
-    float sink = 0;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
-#endif
-    for (index_t c = 0; c < n / 4096; ++c) {
-      using namespace Eigen::internal;
-      const float* p = buf.data() + c * 4096;
-      Packet a[8];
-      for (auto& x : a) x = pset1<Packet>(0.f);
-      for (index_t i = 0; i < 4096; i += 8 * P)
-        for (int u = 0; u < 8; ++u) a[u] = padd(a[u], pload<Packet>(p + i + u * P));
-      for (int u = 1; u < 8; ++u) a[0] = padd(a[0], a[u]);
-      sink += predux(a[0]);
-    }
-    benchmark::DoNotOptimize(sink);
-  }
+  for (auto _ : state) benchmark::DoNotOptimize(stream_read(buf.data(), n, threads));
   set_counters(state, 0, static_cast<double>(n) * sizeof(float));
 }
 
@@ -119,11 +130,19 @@ void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
   diffattn::AttentionOptions o;
   o.causal = true;
   o.num_threads = threads;
+  // Between steps (cold runs), the probe reads the copy read copies / 2
+  // steps ago with the step's threads: at least 2 x the last-level cache
+  // has been read since (with one copy, its start is long evicted when the
+  // probe gets there). The step's time and the probe's are kept apart.
+  using clock = std::chrono::steady_clock;
+  double step_s = 0, probe_s = 0;
   std::size_t it = 0;
   for (auto _ : state) {
     const Tensor<float, 4>& k = ks[it % copies];
     const Tensor<float, 4>& v = vs[it % copies];
+    const std::size_t pc = (it + copies / 2) % copies;
     ++it;
+    const auto t0 = clock::now();
     switch (L.kind) {
       case Kind::v1:
         diffattn::diff_attention_v1_kvcache<float>(q, k, v, 0.8f, out, {}, cache, o);
@@ -135,9 +154,25 @@ void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
         diffattn::attention_kvcache<float>(q, k, v, out, {}, cache, o);
     }
     benchmark::DoNotOptimize(out.data());
+    const auto t1 = clock::now();
+    const double s = std::chrono::duration<double>(t1 - t0).count();
+    state.SetIterationTime(s);
+    step_s += s;
+    if (!warm) {
+      benchmark::DoNotOptimize(stream_read(ks[pc].data(), ks[pc].size(), threads) +
+                               stream_read(vs[pc].data(), vs[pc].size(), threads));
+      probe_s += std::chrono::duration<double>(clock::now() - t1).count();
+    }
   }
   state.counters["copies"] = static_cast<double>(copies);
   set_counters(state, 0, static_cast<double>(kv_bytes));
+  if (probe_s > 0) {
+    // The probe's rate over the same bytes, and the step's as a fraction of it.
+    const double n = static_cast<double>(it) * static_cast<double>(kv_bytes);
+    state.counters["probe"] = benchmark::Counter(n / probe_s, benchmark::Counter::kDefaults,
+                                                 benchmark::Counter::kIs1024);
+    state.counters["of_probe"] = probe_s / step_s;
+  }
 }
 
 void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }
@@ -154,7 +189,7 @@ void decode_sizes(benchmark::internal::Benchmark* b) {
   b->Args({4096, 8, 2, 0});
   b->Args({4096, 1, 1, 0});
   b->Args({32768, 1, 1, 0});
-  b->Unit(benchmark::kMillisecond)->UseRealTime();
+  b->Unit(benchmark::kMillisecond)->UseManualTime();
 }
 
 }  // namespace
@@ -168,13 +203,13 @@ BENCHMARK(BM_Decode_MQA)
     ->Args({262144, 1, 1, 0})
     ->Args({262144, 1, 2, 0})
     ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+    ->UseManualTime();
 BENCHMARK(BM_DecodePaged_V2)
     ->Args({32768, 1, 2, 0, 16})
     ->Args({32768, 1, 2, 0, 256})
     ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_DecodeWarm_Plain8)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
+    ->UseManualTime();
+BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
+BENCHMARK(BM_DecodeWarm_Plain8)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
 
 BENCHMARK_MAIN();

@@ -583,6 +583,13 @@ TEST_CASE("16-bit KV caches: decoding, prefill chunks, paged, split-KV", "[half]
         check_kvcache<bfloat16>(kind, n, 4, 2, d, 70, {70, 33, 17}, opts(true), seed += 10);
         check_kvcache<half>(kind, n, 4, 2, d, 70, {70, 33, 17}, opts(false), seed += 10);
       }
+  // One query row (V2: two) per kv head: with AVX-512 the step reads 2 or 4
+  // kv heads of a row together.
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
+    for (index_t d : {64, 128}) {
+      check_kvcache<bfloat16>(kind, 1, 4, 4, d, 70, {70, 33, 17}, opts(true), seed += 10);
+      check_kvcache<half>(kind, 2, 6, 6, d, 70, {70, 33, 17}, opts(false), seed += 10);
+    }
 }
 
 TEST_CASE("16-bit storage: bad input names the function and the argument", "[half][errors]") {
