@@ -169,8 +169,8 @@ void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
   if (probe_s > 0) {
     // The probe's rate over the same bytes, and the step's as a fraction of it.
     const double n = static_cast<double>(it) * static_cast<double>(kv_bytes);
-    state.counters["probe"] = benchmark::Counter(n / probe_s, benchmark::Counter::kDefaults,
-                                                 benchmark::Counter::kIs1024);
+    state.counters["probe"] =
+        benchmark::Counter(n / probe_s, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
     state.counters["of_probe"] = probe_s / step_s;
   }
 }
@@ -210,6 +210,9 @@ BENCHMARK(BM_DecodePaged_V2)
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
 BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
-BENCHMARK(BM_DecodeWarm_Plain8)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
+BENCHMARK(BM_DecodeWarm_Plain8)
+    ->Args({128, 1, 1, 1})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseManualTime();
 
 BENCHMARK_MAIN();

@@ -324,13 +324,13 @@ TEST_CASE("decoding reads several kv heads of a row together", "[decode]") {
   // when each has one or two query rows of width 64 (or one of 128): plain
   // GQA with 1 or 2 query heads per kv head, V2, and V1 (its two key heads
   // per pair, across pairs when a pair has one DIFF head, within a pair when
-  // it has two). 3, 5 and 6 kv heads leave heads over for one at a time;
-  // plain attention's values are as wide as its keys, so that they are read
-  // together too.
+  // it has two). 3 and 5 kv heads (V1: 6 and 10 key heads) leave heads over
+  // for one at a time after groups of 2 and 4. Plain attention's values are
+  // as wide as its keys here, so that they are read together too.
   std::uint64_t seed = 32800;
   for (Kind kind : {Kind::plain, Kind::v1, Kind::v2})
     for (index_t d : {64, 128})
-      for (index_t Hkv : {3, 4, 5, 6})
+      for (index_t Hkv : {3, 5})
         for (index_t ratio : {1, 2}) {
           if (kind == Kind::v2 && ratio == 1) continue;
           const index_t H = kind == Kind::v2 ? Hkv * ratio / 2 : Hkv * ratio;
