@@ -80,66 +80,14 @@ DecodeChunks decode_chunks(const AttentionProblem<T, KV>& p, const SeqSpan& sq) 
   return {kb, ke, p.split_keys, (keys + p.split_keys - 1) / p.split_keys};
 }
 
-/// Partial dot products of U key rows, key u at krows[u] + off (stored as S,
-/// widened once per packet), with R query rows q + i qstep over the first dp
-/// features (dp a multiple of the packet size P): the packet whose lanes sum
-/// to q_i . k_u, stored unreduced at part + i pstep + u P. reduce_keys sums
-/// the lanes of P keys' packets at once, so no (row, key) pair pays for a
-/// horizontal sum. R and DP = dp / P (0: known only at run time) are
-/// constants, so that the queries stay in registers across the keys and the
-/// loop over a key's packets unrolls. pre[u] (if pre is not null and pre[u]
-/// is not) is the row to prefetch the same features of as key u is read.
-template <int R, int DP, class C, class S>
-EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* pre, index_t off,
-                                        index_t U, index_t dp, const C* q, index_t qstep, C* part,
-                                        index_t pstep) {
-  using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pmul;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
-  constexpr index_t P = TileConfig<C>::kPacket;
-  if constexpr (DP > 0) {
-    Packet qv[R][DP];
-    for (int i = 0; i < R; ++i)
-      for (int t = 0; t < DP; ++t) qv[i][t] = ploadu<Packet>(q + i * qstep + t * P);
-    for (index_t u = 0; u < U; ++u) {
-      const S* k = krows[u] + off;
-      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, DP * P);
-      Packet acc[R];
-      const Packet k0 = pload_widened<Packet>(k);
-      for (int i = 0; i < R; ++i) acc[i] = pmul(qv[i][0], k0);
-      for (int t = 1; t < DP; ++t) {
-        const Packet kp = pload_widened<Packet>(k + t * P);
-        for (int i = 0; i < R; ++i) acc[i] = pmadd(qv[i][t], kp, acc[i]);
-      }
-      for (int i = 0; i < R; ++i) pstoreu(part + i * pstep + u * P, acc[i]);
-    }
-  } else {
-    for (index_t u = 0; u < U; ++u) {
-      const S* k = krows[u] + off;
-      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, dp);
-      Packet acc[R];
-      for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
-      for (index_t t = 0; t < dp; t += P) {
-        const Packet kp = pload_widened<Packet>(k + t);
-        for (int i = 0; i < R; ++i) acc[i] = pmadd(ploadu<Packet>(q + i * qstep + t), kp, acc[i]);
-      }
-      for (int i = 0; i < R; ++i) pstoreu(part + i * pstep + u * P, acc[i]);
-    }
-  }
-}
-
-/// partial_dots_n for G consecutive key heads of each row, read together:
-/// head gi at krows[u] + off + gi kstep against its R query rows
-/// q + gi qgstep + i qstep, packets stored at part + gi pgstep + i pstep + u P.
-/// Out of line on purpose: inlined into decode_states, GCC spilled queries
-/// and addresses to the stack (V2 0.90x as fast with K/V in cache).
+/// The products of partial_dots_n for G consecutive key heads of each row
+/// (G = 1: partial_dots_n itself): head gi at krows[u] + off + gi kstep
+/// against its R query rows q + gi qgstep + i qstep, packets stored at
+/// part + gi pgstep + i pstep + u P.
 template <int G, int R, int DP, class C, class S>
-EIGEN_DONT_INLINE void partial_dots_gn(const S* const* krows, const S* const* pre, index_t off,
-                                       index_t kstep, index_t U, const C* q, index_t qstep,
-                                       index_t qgstep, C* part, index_t pstep, index_t pgstep) {
+EIGEN_ALWAYS_INLINE void dots_heads(const S* const* krows, const S* const* pre, index_t off,
+                                    index_t kstep, index_t U, const C* q, index_t qstep,
+                                    index_t qgstep, C* part, index_t pstep, index_t pgstep) {
   using Packet = typename TileConfig<C>::Packet;
   using Eigen::internal::ploadu;
   using Eigen::internal::pmadd;
@@ -166,6 +114,52 @@ EIGEN_DONT_INLINE void partial_dots_gn(const S* const* krows, const S* const* pr
       for (int i = 0; i < R; ++i) pstoreu(part + gi * pgstep + i * pstep + u * P, acc[i]);
     }
   }
+}
+
+/// Partial dot products of U key rows, key u at krows[u] + off (stored as S,
+/// widened once per packet), with R query rows q + i qstep over the first dp
+/// features (dp a multiple of the packet size P): the packet whose lanes sum
+/// to q_i . k_u, stored unreduced at part + i pstep + u P. reduce_keys sums
+/// the lanes of P keys' packets at once, so no (row, key) pair pays for a
+/// horizontal sum. R and DP = dp / P (0: known only at run time) are
+/// constants, so that the queries stay in registers across the keys and the
+/// loop over a key's packets unrolls. pre[u] (if pre is not null and pre[u]
+/// is not) is the row to prefetch the same features of as key u is read.
+template <int R, int DP, class C, class S>
+EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* pre, index_t off,
+                                        index_t U, index_t dp, const C* q, index_t qstep, C* part,
+                                        index_t pstep) {
+  using Packet = typename TileConfig<C>::Packet;
+  using Eigen::internal::ploadu;
+  using Eigen::internal::pmadd;
+  using Eigen::internal::pset1;
+  using Eigen::internal::pstoreu;
+  constexpr index_t P = TileConfig<C>::kPacket;
+  if constexpr (DP > 0) {
+    dots_heads<1, R, DP>(krows, pre, off, 0, U, q, qstep, 0, part, pstep, 0);
+  } else {
+    for (index_t u = 0; u < U; ++u) {
+      const S* k = krows[u] + off;
+      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, dp);
+      Packet acc[R];
+      for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
+      for (index_t t = 0; t < dp; t += P) {
+        const Packet kp = pload_widened<Packet>(k + t);
+        for (int i = 0; i < R; ++i) acc[i] = pmadd(ploadu<Packet>(q + i * qstep + t), kp, acc[i]);
+      }
+      for (int i = 0; i < R; ++i) pstoreu(part + i * pstep + u * P, acc[i]);
+    }
+  }
+}
+
+/// dots_heads for G consecutive key heads of each row, read together. Out of
+/// line on purpose: inlined into decode_states, GCC spilled queries and
+/// addresses to the stack (V2 0.90x as fast with K/V in cache).
+template <int G, int R, int DP, class C, class S>
+EIGEN_DONT_INLINE void partial_dots_gn(const S* const* krows, const S* const* pre, index_t off,
+                                       index_t kstep, index_t U, const C* q, index_t qstep,
+                                       index_t qgstep, C* part, index_t pstep, index_t pgstep) {
+  dots_heads<G, R, DP>(krows, pre, off, kstep, U, q, qstep, qgstep, part, pstep, pgstep);
 }
 
 /// partial_dots_n over `rows` query rows, four at a time. (Four rows of 8
@@ -266,59 +260,12 @@ EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
 #pragma GCC diagnostic pop
 #endif
 
-/// o + i ostep += sum over u < U of w[i wstep + u] v_u for i < R, value row
-/// v_u at vrows[u] + off (stored as S, widened once per packet for every
-/// row). The outputs stay in registers across the U keys, NP packets of
-/// each row at a time: an output packet is loaded and stored once per block
-/// of keys, not once per key (which made the step 2x slower on Zen 5 with the
-/// K/V rows in L2). pre as for partial_dots_n.
-template <int R, int NP, class C, class S>
-EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre, index_t off,
-                                     index_t U, index_t dv, C* o, index_t ostep, const C* w,
-                                     index_t wstep) {
-  using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
-  constexpr index_t P = TileConfig<C>::kPacket;
-  index_t t = 0;
-  for (; t + NP * P <= dv; t += NP * P) {
-    Packet acc[R][NP];
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < NP; ++c) acc[i][c] = ploadu<Packet>(o + i * ostep + t + c * P);
-    for (index_t u = 0; u < U; ++u) {
-      const S* v = vrows[u] + off + t;
-      if (pre && pre[u]) prefetch_row<0>(pre[u] + off + t, NP * P);
-      Packet vp[NP];
-      for (int c = 0; c < NP; ++c) vp[c] = pload_widened<Packet>(v + c * P);
-      for (int i = 0; i < R; ++i) {
-        const Packet wp = pset1<Packet>(w[i * wstep + u]);
-        for (int c = 0; c < NP; ++c) acc[i][c] = pmadd(wp, vp[c], acc[i][c]);
-      }
-    }
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < NP; ++c) pstoreu(o + i * ostep + t + c * P, acc[i][c]);
-  }
-  if constexpr (NP > 1) {
-    // The rest of the packets one at a time, then the last dv % P features.
-    if (t < dv) return axpy_keys_n<R, 1>(vrows, pre, off + t, U, dv - t, o + t, ostep, w, wstep);
-  } else {
-    for (; t < dv; ++t)
-      for (int i = 0; i < R; ++i) {
-        C sum = o[i * ostep + t];
-        for (index_t u = 0; u < U; ++u) sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
-        o[i * ostep + t] = sum;
-      }
-  }
-}
-
-/// axpy_keys_n for G consecutive value heads of each row, read together (dv
-/// a multiple of NP P): head gi at vrows[u] + off + gi vstep into its R
-/// output rows o + gi ogstep + i ostep, weights w + gi wgstep + i wstep. Out
-/// of line as partial_dots_gn.
+/// The sums of axpy_keys_n over the first dv features (a multiple of NP P)
+/// for G consecutive value heads of each row (G = 1: axpy_keys_n's): head
+/// gi at vrows[u] + off + gi vstep into its R output rows
+/// o + gi ogstep + i ostep, weights w + gi wgstep + i wstep.
 template <int G, int R, int NP, class C, class S>
-EIGEN_DONT_INLINE void axpy_keys_gn(const S* const* vrows, const S* const* pre, index_t off,
+EIGEN_ALWAYS_INLINE void axpy_heads(const S* const* vrows, const S* const* pre, index_t off,
                                     index_t vstep, index_t U, index_t dv, C* o, index_t ostep,
                                     index_t ogstep, const C* w, index_t wstep, index_t wgstep) {
   using Packet = typename TileConfig<C>::Packet;
@@ -351,6 +298,41 @@ EIGEN_DONT_INLINE void axpy_keys_gn(const S* const* vrows, const S* const* pre, 
         for (int c = 0; c < NP; ++c)
           pstoreu(o + gi * ogstep + i * ostep + t + c * P, acc[gi][i][c]);
   }
+}
+
+/// o + i ostep += sum over u < U of w[i wstep + u] v_u for i < R, value row
+/// v_u at vrows[u] + off (stored as S, widened once per packet for every
+/// row). The outputs stay in registers across the U keys, NP packets of
+/// each row at a time: an output packet is loaded and stored once per block
+/// of keys, not once per key (which made the step 2x slower on Zen 5 with the
+/// K/V rows in L2). pre as for partial_dots_n.
+template <int R, int NP, class C, class S>
+EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre, index_t off,
+                                     index_t U, index_t dv, C* o, index_t ostep, const C* w,
+                                     index_t wstep) {
+  constexpr index_t P = TileConfig<C>::kPacket;
+  index_t t = dv / (NP * P) * (NP * P);
+  axpy_heads<1, R, NP>(vrows, pre, off, 0, U, t, o, ostep, 0, w, wstep, 0);
+  if constexpr (NP > 1) {
+    // The rest of the packets one at a time, then the last dv % P features.
+    if (t < dv) return axpy_keys_n<R, 1>(vrows, pre, off + t, U, dv - t, o + t, ostep, w, wstep);
+  } else {
+    for (; t < dv; ++t)
+      for (int i = 0; i < R; ++i) {
+        C sum = o[i * ostep + t];
+        for (index_t u = 0; u < U; ++u) sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
+        o[i * ostep + t] = sum;
+      }
+  }
+}
+
+/// axpy_heads for G consecutive value heads of each row, read together (dv
+/// a multiple of NP P). Out of line as partial_dots_gn.
+template <int G, int R, int NP, class C, class S>
+EIGEN_DONT_INLINE void axpy_keys_gn(const S* const* vrows, const S* const* pre, index_t off,
+                                    index_t vstep, index_t U, index_t dv, C* o, index_t ostep,
+                                    index_t ogstep, const C* w, index_t wstep, index_t wgstep) {
+  axpy_heads<G, R, NP>(vrows, pre, off, vstep, U, dv, o, ostep, ogstep, w, wstep, wgstep);
 }
 
 /// axpy_keys_n over `rows` rows: four at a time with 32 vector registers
