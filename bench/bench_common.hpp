@@ -121,12 +121,13 @@ inline double visible_pairs(index_t n) {
   return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1);
 }
 
-/// GFLOPS (useful floating-point operations per second) and bytes per second.
+/// GFLOPS (useful floating-point operations per second) and bytes per second,
+/// both in powers of 1000: the "G/s" Google Benchmark prints for bytes is GB/s.
 inline void set_counters(benchmark::State& state, double flops, double bytes) {
   state.counters["GFLOPS"] = benchmark::Counter(
       flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
   state.counters["bytes"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::kIs1024);
+                                               benchmark::Counter::kIs1000);
 }
 
 /// What the FMA units can do: 12 independent packet FMA chains per thread.

@@ -25,7 +25,14 @@
 // host moves the memory bandwidth (by 25-84 GB/s on 2 threads between runs
 // on the Zen 5 VM); the step's time alone is reported.
 //
-// Arguments: {M, B, threads, warm} (Paged: and the block size). warm = 1 (the
+// BM_DecodeVsBaseline_* run a layer's steps and the 8-query baseline's
+// (Plain8) alternately, each on its own cold copies: `vs_baseline` is the
+// layer's time over the baseline's under the same neighbours, which separate
+// benchmarks minutes apart do not measure (V2 against Plain8 is the issue's
+// "decodes as fast as a baseline Transformer").
+//
+// Arguments: {M, B, threads, warm} (Paged: and the block size; VsBaseline:
+// {M, B, threads}). warm = 1 (the
 // BM_DecodeWarm_* runs): the caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2),
 // so the step runs at the speed of its instructions, the bound on what any memory could give it.
 #include <benchmark/benchmark.h>
@@ -86,93 +93,155 @@ struct Layer {
   index_t qh, kh, vh, d, dv;  // query, key and value heads; widths
 };
 
-/// Rotated copies of the caches and one step's inputs, run through the
+/// Rotated copies of one layer's caches and a step's inputs, run through the
 /// layer's kvcache kernel. block_size > 0: each copy is a pool of blocks of
 /// that many rows, (B M / block_size, block_size, H, D), and the block table
 /// gives each sequence's blocks in a random order, as a paged cache that has
-/// been filled and freed for a while would.
+/// been filled and freed for a while would. warm: one copy, never rotated.
+class DecodeRig {
+ public:
+  DecodeRig(const Layer& L, index_t M, index_t B, int threads, bool warm, index_t block_size = 0)
+      : L_(L),
+        kv_bytes(static_cast<std::size_t>(B * M) *
+                 static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4),
+        copies(warm ? 1 : cold_copies(kv_bytes)),
+        threads_(threads),
+        table_({block_size > 0 ? B : 0, block_size > 0 ? M / block_size : 0}),
+        lens_({B}),
+        q_(random4({B, 1, L.qh, L.d}, 7)),
+        logit_({B, 1, L.qh / 2}),
+        out_({B, 1, L.kind == Kind::plain ? L.qh : L.qh / 2, L.kind == Kind::v1 ? 2 * L.d : L.dv}) {
+    const index_t blocks = block_size > 0 ? B * M / block_size : 0;
+    for (std::size_t c = 0; c < copies; ++c) {
+      if (block_size > 0) {
+        ks_.emplace_back(std::array<index_t, 4>{blocks, block_size, L.kh, L.d});
+        vs_.emplace_back(std::array<index_t, 4>{blocks, block_size, L.vh, L.dv});
+      } else {
+        ks_.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
+        vs_.emplace_back(std::array<index_t, 4>{B, M, L.vh, L.dv});
+      }
+      fill_uniform(ks_.back(), 2 * c + 1);
+      fill_uniform(vs_.back(), 2 * c + 2);
+    }
+    if (block_size > 0) {
+      std::vector<index_t> order(static_cast<std::size_t>(blocks));
+      for (index_t i = 0; i < blocks; ++i) order[static_cast<std::size_t>(i)] = i;
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(11));
+      std::copy(order.begin(), order.end(), table_.data());
+    }
+    for (index_t b = 0; b < B; ++b) lens_(b) = M;
+    cache_.cache_seqlens = lens_;
+    if (block_size > 0) cache_.block_table = table_;
+    options_.causal = true;
+    options_.num_threads = threads;
+  }
+
+  /// One step on copy it % copies; its seconds.
+  double step(std::size_t it) {
+    const Tensor<float, 4>& k = ks_[it % copies];
+    const Tensor<float, 4>& v = vs_[it % copies];
+    const auto t0 = clock::now();
+    switch (L_.kind) {
+      case Kind::v1:
+        diffattn::diff_attention_v1_kvcache<float>(q_, k, v, 0.8f, out_, {}, cache_, options_);
+        break;
+      case Kind::v2:
+        diffattn::diff_attention_v2_kvcache<float>(q_, k, v, logit_, out_, {}, cache_, options_);
+        break;
+      default:
+        diffattn::attention_kvcache<float>(q_, k, v, out_, {}, cache_, options_);
+    }
+    benchmark::DoNotOptimize(out_.data());
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  }
+
+  /// The probe after step `it`: stream-reads the copy read copies / 2 steps
+  /// ago with the step's threads, so that at least 2 x the last-level cache
+  /// has been read since (with one copy, its start is long evicted when the
+  /// probe gets there); its seconds.
+  double probe(std::size_t it) {
+    const std::size_t pc = (it + copies / 2) % copies;
+    const auto t0 = clock::now();
+    benchmark::DoNotOptimize(stream_read(ks_[pc].data(), ks_[pc].size(), threads_) +
+                             stream_read(vs_[pc].data(), vs_[pc].size(), threads_));
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  Layer L_;
+
+ public:
+  const std::size_t kv_bytes;  // K/V bytes one step reads
+  const std::size_t copies;
+
+ private:
+  int threads_;
+  std::vector<Tensor<float, 4>> ks_, vs_;
+  Tensor<index_t, 2> table_;
+  Tensor<index_t, 1> lens_;
+  Tensor<float, 4> q_;
+  Tensor<float, 3> logit_;
+  Tensor<float, 4> out_;
+  KVCacheBatch cache_;
+  diffattn::AttentionOptions options_;
+};
+
+/// Steps of one layer; cold runs read the probe between steps. The step's
+/// time and the probe's are kept apart.
 void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
   const index_t M = state.range(0), B = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  const std::size_t kv_bytes =
-      static_cast<std::size_t>(B * M) * static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4;
   const bool warm = state.range(3) != 0;
-  const std::size_t copies = warm ? 1 : cold_copies(kv_bytes);
-  const index_t blocks = block_size > 0 ? B * M / block_size : 0;
-  std::vector<Tensor<float, 4>> ks, vs;
-  for (std::size_t c = 0; c < copies; ++c) {
-    if (block_size > 0) {
-      ks.emplace_back(std::array<index_t, 4>{blocks, block_size, L.kh, L.d});
-      vs.emplace_back(std::array<index_t, 4>{blocks, block_size, L.vh, L.dv});
-    } else {
-      ks.emplace_back(std::array<index_t, 4>{B, M, L.kh, L.d});
-      vs.emplace_back(std::array<index_t, 4>{B, M, L.vh, L.dv});
-    }
-    fill_uniform(ks.back(), 2 * c + 1);
-    fill_uniform(vs.back(), 2 * c + 2);
-  }
-  Tensor<index_t, 2> table({block_size > 0 ? B : 0, block_size > 0 ? M / block_size : 0});
-  if (block_size > 0) {
-    std::vector<index_t> order(static_cast<std::size_t>(blocks));
-    for (index_t i = 0; i < blocks; ++i) order[static_cast<std::size_t>(i)] = i;
-    std::shuffle(order.begin(), order.end(), std::mt19937_64(11));
-    std::copy(order.begin(), order.end(), table.data());
-  }
-  auto q = random4({B, 1, L.qh, L.d}, 7);
-  Tensor<float, 3> logit({B, 1, L.qh / 2});
-  const index_t oh = L.kind == Kind::plain ? L.qh : L.qh / 2;
-  Tensor<float, 4> out({B, 1, oh, L.kind == Kind::v1 ? 2 * L.d : L.dv});
-  Tensor<index_t, 1> lens({B});
-  for (index_t b = 0; b < B; ++b) lens(b) = M;
-  KVCacheBatch cache;
-  cache.cache_seqlens = lens;
-  if (block_size > 0) cache.block_table = table;
-  diffattn::AttentionOptions o;
-  o.causal = true;
-  o.num_threads = threads;
-  // Between steps (cold runs), the probe reads the copy read copies / 2
-  // steps ago with the step's threads: at least 2 x the last-level cache
-  // has been read since (with one copy, its start is long evicted when the
-  // probe gets there). The step's time and the probe's are kept apart.
-  using clock = std::chrono::steady_clock;
+  DecodeRig rig(L, M, B, threads, warm, block_size);
   double step_s = 0, probe_s = 0;
   std::size_t it = 0;
   for (auto _ : state) {
-    const Tensor<float, 4>& k = ks[it % copies];
-    const Tensor<float, 4>& v = vs[it % copies];
-    const std::size_t pc = (it + copies / 2) % copies;
-    ++it;
-    const auto t0 = clock::now();
-    switch (L.kind) {
-      case Kind::v1:
-        diffattn::diff_attention_v1_kvcache<float>(q, k, v, 0.8f, out, {}, cache, o);
-        break;
-      case Kind::v2:
-        diffattn::diff_attention_v2_kvcache<float>(q, k, v, logit, out, {}, cache, o);
-        break;
-      default:
-        diffattn::attention_kvcache<float>(q, k, v, out, {}, cache, o);
-    }
-    benchmark::DoNotOptimize(out.data());
-    const auto t1 = clock::now();
-    const double s = std::chrono::duration<double>(t1 - t0).count();
+    const double s = rig.step(it);
     state.SetIterationTime(s);
     step_s += s;
-    if (!warm) {
-      benchmark::DoNotOptimize(stream_read(ks[pc].data(), ks[pc].size(), threads) +
-                               stream_read(vs[pc].data(), vs[pc].size(), threads));
-      probe_s += std::chrono::duration<double>(clock::now() - t1).count();
-    }
+    if (!warm) probe_s += rig.probe(it);
+    ++it;
   }
-  state.counters["copies"] = static_cast<double>(copies);
-  set_counters(state, 0, static_cast<double>(kv_bytes));
+  state.counters["copies"] = static_cast<double>(rig.copies);
+  set_counters(state, 0, static_cast<double>(rig.kv_bytes));
   if (probe_s > 0) {
     // The probe's rate over the same bytes, and the step's as a fraction of it.
-    const double n = static_cast<double>(it) * static_cast<double>(kv_bytes);
+    const double n = static_cast<double>(it) * static_cast<double>(rig.kv_bytes);
     state.counters["probe"] =
-        benchmark::Counter(n / probe_s, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
+        benchmark::Counter(n / probe_s, benchmark::Counter::kDefaults, benchmark::Counter::kIs1000);
     state.counters["of_probe"] = probe_s / step_s;
   }
+}
+
+/// A layer's steps and the 8-query baseline's (Plain8: the same 8 kv heads of
+/// 64 as V2), alternating, each on its own cold copies, in turn first: the
+/// time ratio measured under the same neighbours (`vs_baseline`, the layer's
+/// time over the baseline's; `baseline_ms`). The layer's time is reported.
+void decode_vs_baseline(benchmark::State& state, const Layer& L) {
+  const index_t M = state.range(0), B = state.range(1);
+  const int threads = static_cast<int>(state.range(2));
+  DecodeRig rig(L, M, B, threads, false),
+      base({Kind::plain, 8, 8, 8, 64, 64}, M, B, threads, false);
+  double step_s = 0, base_s = 0;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    double s, b;
+    if (it % 2 == 0) {
+      s = rig.step(it);
+      b = base.step(it);
+    } else {
+      b = base.step(it);
+      s = rig.step(it);
+    }
+    state.SetIterationTime(s);
+    step_s += s;
+    base_s += b;
+    ++it;
+  }
+  set_counters(state, 0, static_cast<double>(rig.kv_bytes));
+  state.counters["baseline_ms"] = 1e3 * base_s / static_cast<double>(it);
+  state.counters["vs_baseline"] = step_s / base_s;
 }
 
 void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }
@@ -181,6 +250,15 @@ void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64
 void BM_Decode_Plain16(benchmark::State& s) { decode(s, {Kind::plain, 16, 8, 8, 64, 64}); }
 void BM_Decode_MQA(benchmark::State& s) { decode(s, {Kind::plain, 8, 1, 1, 128, 128}); }
 void BM_DecodePaged_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}, s.range(4)); }
+void BM_DecodeVsBaseline_V1(benchmark::State& s) {
+  decode_vs_baseline(s, {Kind::v1, 16, 16, 8, 64, 128});
+}
+void BM_DecodeVsBaseline_V2(benchmark::State& s) {
+  decode_vs_baseline(s, {Kind::v2, 16, 8, 8, 64, 64});
+}
+void BM_DecodeVsBaseline_Plain16(benchmark::State& s) {
+  decode_vs_baseline(s, {Kind::plain, 16, 8, 8, 64, 64});
+}
 void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
 void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
 
@@ -189,6 +267,11 @@ void decode_sizes(benchmark::internal::Benchmark* b) {
   b->Args({4096, 8, 2, 0});
   b->Args({4096, 1, 1, 0});
   b->Args({32768, 1, 1, 0});
+  b->Unit(benchmark::kMillisecond)->UseManualTime();
+}
+
+void vs_baseline_sizes(benchmark::internal::Benchmark* b) {
+  b->Args({32768, 1, 2})->Args({131072, 1, 2})->Args({4096, 8, 2});
   b->Unit(benchmark::kMillisecond)->UseManualTime();
 }
 
@@ -209,6 +292,9 @@ BENCHMARK(BM_DecodePaged_V2)
     ->Args({32768, 1, 2, 0, 256})
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
+BENCHMARK(BM_DecodeVsBaseline_V1)->Apply(vs_baseline_sizes);
+BENCHMARK(BM_DecodeVsBaseline_V2)->Apply(vs_baseline_sizes);
+BENCHMARK(BM_DecodeVsBaseline_Plain16)->Apply(vs_baseline_sizes);
 BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
 BENCHMARK(BM_DecodeWarm_Plain8)
     ->Args({128, 1, 1, 1})
