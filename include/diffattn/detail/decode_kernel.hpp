@@ -426,7 +426,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
 /// hint a further 1.07-1.12x for V2 and the GQA steps (V1, MQA 1.02-1.03x).
 /// 8 or 32 KiB ahead did worse for V2, T1 or prefetching in address order
 /// worse for all; MQA (rows of 512 bytes) gains 1.07x from the 16-row cap.
-/// Also measured for V2 and not kept: 32 KiB ahead with the T0 or T2 hint
+/// Also measured for V2 and not kept: 32 KiB ahead with the T0 or T1 hint
 /// (0.94-0.96x), prefetching the first 64-256 KiB of the chunk's values while
 /// the softmax runs (1.00-1.05x, within the noise), taking the exps block by
 /// block in the V pass (0.98-1.01x), the key products in address order with
