@@ -2,10 +2,11 @@
 # The decoding step's software prefetch is in the generated code: every
 # function of the step that GCC or Clang kept out of line (decode_states,
 # partial_dots_gn, axpy_keys_gn; ELF assembly, where .type and .size bound a
-# function) holds a prefetchnta. Where none was kept apart, the whole file
+# function; names mangled _ZN..., so not the lambdas local to them, _ZZN...)
+# holds a prefetchnta. Where none was kept apart, the whole file
 # must hold one. See prefetch_emitted.cpp.
 file(READ "${ASM}" _asm)
-string(REGEX MATCHALL "\\.type[ \t]+[A-Za-z0-9_.$]*(decode_states|partial_dots_gn|axpy_keys_gn)[A-Za-z0-9_.$]*, *@function"
+string(REGEX MATCHALL "\\.type[ \t]+_ZN[A-Za-z0-9_.$]*(decode_states|partial_dots_gn|axpy_keys_gn)[A-Za-z0-9_.$]*, *@function"
        _types "${_asm}")
 set(_checked 0)
 foreach(_type IN LISTS _types)
