@@ -427,12 +427,19 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
 /// 8 or 32 KiB ahead did worse for V2, T1 or prefetching in address order
 /// worse for all; MQA (rows of 512 bytes) gains 1.07x from the 16-row cap.
 /// Also measured for V2 and not kept: 32 KiB ahead with the T0 or T1 hint
-/// (0.94-0.96x), prefetching the first 64-256 KiB of the chunk's values while
-/// the softmax runs (1.00-1.05x, within the noise), taking the exps block by
-/// block in the V pass (0.98-1.01x), the key products in address order with
-/// the queries read from L1 (0.82-0.89x), and each key packet loaded once
-/// into a register instead of once per query row (0.95-0.98x).
+/// (0.94-0.96x), taking the exps block by block in the V pass (0.98-1.01x),
+/// the key products in address order with the queries read from L1
+/// (0.82-0.89x), and each key packet loaded once into a register instead of
+/// once per query row (0.95-0.98x).
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
+
+/// How much of a chunk's value rows a decoding step asks for (T1 hint) while
+/// its softmax runs, before the V pass. On Zen 5 (2 threads, in one process
+/// against none): 1.003-1.035x as fast over 12 runs (V2, V1, GQA 8q and 16q,
+/// MQA; M = 32k and 128k, B = 8 at 4k, a paged cache of 16-row blocks), never
+/// slower; a first version gave V2 and GQA 16q 1.01-1.06x; 128 and 256 KiB
+/// gained less.
+constexpr index_t kValueWarmBytes = index_t(64) << 10;
 
 inline index_t decode_ahead_rows(index_t row_bytes) {
   return std::min<index_t>(16, std::max<index_t>(4, kDecodeAheadBytes / row_bytes));
@@ -558,7 +565,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   }
 
   // Exact softmax per row over its keys of the chunk, normalised in place.
+  // Meanwhile the first kValueWarmBytes of the chunk's value rows are asked
+  // for (into L2), a few rows per score row, so that the memory does not idle
+  // while the exps run and the V pass starts on rows already on their way.
+  const index_t vrow_bytes = dl.groups * dv * static_cast<index_t>(sizeof(KV));
+  const index_t warm_rows = std::min(jhi - jlo, kValueWarmBytes / std::max<index_t>(vrow_bytes, 1));
+  const index_t warm_per_row = (warm_rows + R - 1) / R;
   for (index_t r = 0; r < R; ++r) {
+    const index_t wend = std::min(jlo + warm_rows, jlo + (r + 1) * warm_per_row);
+    for (index_t j = jlo + r * warm_per_row; j < wend; ++j) {
+      const KV* row = p.value_row(sq, j, 0);
+      for (index_t g = 0; g < dl.groups; ++g) prefetch_row<2>(row + g * vsh, dv);
+    }
     const index_t ii = r % n, cnt = re[ii] - rb[ii];
     C* w = s + r * lds + (rb[ii] - jlo);
     const RowStats<C> st = exp_row(w, cnt, false);
