@@ -566,7 +566,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
 
   // Exact softmax per row over its keys of the chunk, normalised in place.
   // Meanwhile the first kValueWarmBytes of the chunk's value rows are asked
-  // for (into L2), a few rows per score row, so that the memory does not idle
+  // for (T1 hint), a few rows per score row, so that the memory does not idle
   // while the exps run and the V pass starts on rows already on their way.
   const index_t vrow_bytes = dl.groups * dv * static_cast<index_t>(sizeof(KV));
   const index_t warm_rows = std::min(jhi - jlo, kValueWarmBytes / std::max<index_t>(vrow_bytes, 1));
