@@ -569,7 +569,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   // for (T1 hint), a few rows per score row, so that the memory does not idle
   // while the exps run and the V pass starts on rows already on their way.
   const index_t vrow_bytes = dl.groups * dv * static_cast<index_t>(sizeof(KV));
-  const index_t warm_rows = std::min(jhi - jlo, kValueWarmBytes / std::max<index_t>(vrow_bytes, 1));
+  const index_t warm_rows = std::min(jhi - jlo, kValueWarmBytes / vrow_bytes);
   const index_t warm_per_row = (warm_rows + R - 1) / R;
   for (index_t r = 0; r < R; ++r) {
     const index_t wend = std::min(jlo + warm_rows, jlo + (r + 1) * warm_per_row);
@@ -591,7 +591,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   std::fill(o, o + R * dv, C(0));
   // Value heads read together: G consecutive kv groups, per_group n rows apart.
   const index_t vg = dv % (4 * P) == 0 ? heads_together<C>(dl.per_group, 4) : 1;
-  const index_t vahead = decode_ahead_rows(dl.groups * dv * static_cast<index_t>(sizeof(KV)));
+  const index_t vahead = decode_ahead_rows(vrow_bytes);
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
