@@ -101,10 +101,10 @@ struct Layer {
 class DecodeRig {
  public:
   DecodeRig(const Layer& L, index_t M, index_t B, int threads, bool warm, index_t block_size = 0)
-      : L_(L),
-        kv_bytes(static_cast<std::size_t>(B * M) *
+      : kv_bytes(static_cast<std::size_t>(B * M) *
                  static_cast<std::size_t>(L.kh * L.d + L.vh * L.dv) * 4),
         copies(warm ? 1 : cold_copies(kv_bytes)),
+        L_(L),
         threads_(threads),
         table_({block_size > 0 ? B : 0, block_size > 0 ? M / block_size : 0}),
         lens_({B}),
@@ -135,6 +135,9 @@ class DecodeRig {
     options_.causal = true;
     options_.num_threads = threads;
   }
+
+  const std::size_t kv_bytes;  // K/V bytes one step reads
+  const std::size_t copies;
 
   /// One step on copy it % copies; its seconds.
   double step(std::size_t it) {
@@ -170,12 +173,6 @@ class DecodeRig {
  private:
   using clock = std::chrono::steady_clock;
   Layer L_;
-
- public:
-  const std::size_t kv_bytes;  // K/V bytes one step reads
-  const std::size_t copies;
-
- private:
   int threads_;
   std::vector<Tensor<float, 4>> ks_, vs_;
   Tensor<index_t, 2> table_;
