@@ -164,7 +164,10 @@ EIGEN_DONT_INLINE void partial_dots_gn(const S* const* krows, const S* const* pr
 
 /// partial_dots_n over `rows` query rows, four at a time. (Four rows of 8
 /// packets do not fit the registers and reload their queries from L1, which
-/// measured faster for MQA with d = 128 than blocks of 3 rows that fit.)
+/// measured faster for MQA with d = 128 than blocks of 3 rows that fit, and
+/// as fast as 2 rows, 2 or 4 keys at a time with the queries from L1, or two
+/// accumulators per row: 0.93-1.03x, all at about 0.65 FMA per cycle with
+/// the rows in L2.)
 /// The first four prefetch pre.
 template <int DP, class C, class S>
 EIGEN_ALWAYS_INLINE void partial_dots_rows(const S* const* krows, const S* const* pre, index_t off,
@@ -429,8 +432,11 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
 /// Also measured for V2 and not kept: 32 KiB ahead with the T0 or T1 hint
 /// (0.94-0.96x), taking the exps block by block in the V pass (0.98-1.01x),
 /// the key products in address order with the queries read from L1
-/// (0.82-0.89x), and each key packet loaded once into a register instead of
-/// once per query row (0.95-0.98x).
+/// (0.82-0.89x), each key packet loaded once into a register instead of
+/// once per query row (0.95-0.98x), one pass with an online softmax
+/// (0.83-0.89x), each block's rows first copied in address order into an L1
+/// buffer (0.58-0.71x); a head-major cache read head by head as pure streams,
+/// hardware prefetch only, was no faster (0.98-1.00x).
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// How much of a chunk's value rows a decoding step asks for (T1 hint) while
