@@ -246,6 +246,8 @@ void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64})
 void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
 void BM_Decode_Plain16(benchmark::State& s) { decode(s, {Kind::plain, 16, 8, 8, 64, 64}); }
 void BM_Decode_MQA(benchmark::State& s) { decode(s, {Kind::plain, 8, 1, 1, 128, 128}); }
+// Llama-style GQA: 32 query heads on 8 kv heads of 128, 4 query rows per kv head.
+void BM_Decode_GQA4_D128(benchmark::State& s) { decode(s, {Kind::plain, 32, 8, 8, 128, 128}); }
 void BM_DecodePaged_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}, s.range(4)); }
 void BM_DecodeVsBaseline_V1(benchmark::State& s) {
   decode_vs_baseline(s, {Kind::v1, 16, 16, 8, 64, 128});
@@ -282,6 +284,11 @@ BENCHMARK(BM_Decode_Plain16)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_MQA)
     ->Args({262144, 1, 1, 0})
     ->Args({262144, 1, 2, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
+BENCHMARK(BM_Decode_GQA4_D128)
+    ->Args({32768, 1, 1, 0})
+    ->Args({32768, 1, 2, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
 BENCHMARK(BM_DecodePaged_V2)
