@@ -436,7 +436,13 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
 /// once per query row (0.95-0.98x), one pass with an online softmax
 /// (0.83-0.89x), each block's rows first copied in address order into an L1
 /// buffer (0.58-0.71x); a head-major cache read head by head as pure streams,
-/// hardware prefetch only, was no faster (0.98-1.00x).
+/// hardware prefetch only, was no faster (0.98-1.00x). Nor were one whole
+/// block (16 rows) ahead (0.96-1.05x), blocks read in halves of 8 keys
+/// (0.93-0.98x), caches on 2 MiB pages (0.96-1.03x), or whole rows also
+/// prefetched into L2 32-64 rows ahead (0.77-0.83x); the key pass on 256-bit
+/// packets gained for one or two query rows of 64 per kv head (V2 0.99-1.12x,
+/// GQA 8q 1.06-1.09x) and lost elsewhere (V1 0.75x, MQA 0.83-0.85x, in L2
+/// 0.83-0.87x): see the README's table.
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// How much of a chunk's value rows a decoding step asks for (T1 hint) while
