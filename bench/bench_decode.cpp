@@ -25,6 +25,10 @@
 // host moves the memory bandwidth (by 25-84 GB/s on 2 threads between runs
 // on the Zen 5 VM); the step's time alone is reported.
 //
+// BM_DecodeThreads_MQA runs MQA's step on 2 threads and on 1 alternately, each
+// on its own cold copies: `speedup` is the 1-thread time over the 2-thread one
+// under the same neighbours (the ">= 1.7x on 2 threads").
+//
 // BM_DecodeVsBaseline_* run a layer's steps and the 8-query baseline's
 // (Plain8) alternately, each on its own cold copies: `vs_baseline` is the
 // layer's time over the baseline's under the same neighbours, which separate
@@ -241,6 +245,35 @@ void decode_vs_baseline(benchmark::State& state, const Layer& L) {
   state.counters["vs_baseline"] = step_s / base_s;
 }
 
+/// A layer's step on 2 threads and on 1, alternating, each on its own cold
+/// copies, in turn first: `speedup`, the 1-thread time over the 2-thread one,
+/// measured under the same neighbours (`one_thread_ms`). The 2-thread time is
+/// reported. A decoding step of one sequence gets its parallelism from the
+/// split of its keys into chunks (KVCacheBatch::split_keys).
+void decode_thread_scaling(benchmark::State& state, const Layer& L) {
+  const index_t M = state.range(0), B = state.range(1);
+  DecodeRig two(L, M, B, 2, false), one(L, M, B, 1, false);
+  double two_s = 0, one_s = 0;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    double t, o;
+    if (it % 2 == 0) {
+      t = two.step(it);
+      o = one.step(it);
+    } else {
+      o = one.step(it);
+      t = two.step(it);
+    }
+    state.SetIterationTime(t);
+    two_s += t;
+    one_s += o;
+    ++it;
+  }
+  set_counters(state, 0, static_cast<double>(two.kv_bytes));
+  state.counters["one_thread_ms"] = 1e3 * one_s / static_cast<double>(it);
+  state.counters["speedup"] = one_s / two_s;
+}
+
 void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }
 void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}); }
 void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
@@ -257,6 +290,9 @@ void BM_DecodeVsBaseline_V2(benchmark::State& s) {
 }
 void BM_DecodeVsBaseline_Plain16(benchmark::State& s) {
   decode_vs_baseline(s, {Kind::plain, 16, 8, 8, 64, 64});
+}
+void BM_DecodeThreads_MQA(benchmark::State& s) {
+  decode_thread_scaling(s, {Kind::plain, 8, 1, 1, 128, 128});
 }
 void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
 void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
@@ -299,6 +335,10 @@ BENCHMARK(BM_DecodePaged_V2)
 BENCHMARK(BM_DecodeVsBaseline_V1)->Apply(vs_baseline_sizes);
 BENCHMARK(BM_DecodeVsBaseline_V2)->Apply(vs_baseline_sizes);
 BENCHMARK(BM_DecodeVsBaseline_Plain16)->Apply(vs_baseline_sizes);
+BENCHMARK(BM_DecodeThreads_MQA)
+    ->Args({262144, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
 BENCHMARK(BM_DecodeWarm_V2)->Args({128, 1, 1, 1})->Unit(benchmark::kMicrosecond)->UseManualTime();
 BENCHMARK(BM_DecodeWarm_Plain8)
     ->Args({128, 1, 1, 1})
