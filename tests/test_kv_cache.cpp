@@ -217,3 +217,57 @@ TEST_CASE("caches refuse another layer, batch or a non-causal layer", "[kv_cache
   test::require_error([&] { m1.backward(x); }, {"backward called before forward"});
   test::require_error([&] { KVCache<float>(1, -1, 1, 1, 1, 1); }, {"KVCache", "capacity"});
 }
+
+TEST_CASE("the row-level calls refuse rows outside the storage or the reservation",
+          "[kv_cache][errors]") {
+  using test::contiguous;
+  // 2 sequences, capacity 6, keys 2 x 3, values 1 x 4; a window of 3 tokens
+  // (keep 2) gives 6 rows of storage too.
+  for (const index_t keep : {index_t(-1), index_t(2)}) {
+    KVCache<float> cache(2, 6, 2, 3, 1, 4, keep);
+    auto fill = [&](index_t row, index_t n, float base) {
+      auto k = cache.key_rows(row, n);
+      auto v = cache.value_rows(row, n);
+      for (index_t b = 0; b < 2; ++b)
+        for (index_t i = 0; i < n; ++i) {
+          for (index_t h = 0; h < 2; ++h)
+            for (index_t c = 0; c < 3; ++c) k(b, i, h, c) = base + static_cast<float>(i);
+          for (index_t c = 0; c < 4; ++c) v(b, i, 0, c) = -base - static_cast<float>(i);
+        }
+    };
+    fill(cache.reserve(2), 2, 10.f);
+    cache.commit(2);
+    const index_t held = cache.stored();
+    const Tensor<float, 4> keys_before = contiguous(cache.keys());
+    test::require_error([&] { cache.key_rows(-1, 1); },
+                        {"KVCache::key_rows", "rows [-1, -1 + 1)", "6 rows", "(2, 6, 2, 3)"});
+    test::require_error([&] { cache.value_rows(5, 2); }, {"KVCache::value_rows", "[5, 5 + 2)"});
+    test::require_error([&] { cache.key_rows(0, -1); }, {"KVCache::key_rows"});
+    // Nothing reserved since the last commit.
+    test::require_error([&] { cache.commit(1); },
+                        {"KVCache::commit", "n = 1", "made room for 0", "holding 2"});
+    test::require_error([&] { cache.keys_with(1); }, {"KVCache::keys_with", "made room for 0"});
+    const index_t row = cache.reserve(1);
+    test::require_error([&] { cache.values_with(2); },
+                        {"KVCache::values_with", "n = 2", "made room for 1"});
+    test::require_error([&] { cache.commit(2); }, {"KVCache::commit", "made room for 1"});
+    test::require_error([&] { cache.commit(-1); }, {"KVCache::commit", "n = -1"});
+    // The refusals changed nothing: the held rows and the counts are as before.
+    CHECK(cache.size() == 2);
+    CHECK(cache.stored() == held);
+    CHECK(test::bitwise_equal(contiguous(cache.keys()), keys_before));
+    // And the reservation still stands.
+    fill(row, 1, 20.f);
+    CHECK(cache.keys_with(1).shape(1) == held + 1);
+    cache.commit(1);
+    CHECK(cache.size() == 3);
+    CHECK(cache.keys()(1, cache.stored() - 1, 1, 2) == 20.f);
+    CHECK(cache.values()(0, cache.stored() - 1, 0, 3) == -20.f);
+    // A commit uses the reservation up; clear() drops one.
+    test::require_error([&] { cache.commit(1); }, {"KVCache::commit", "made room for 0"});
+    cache.reserve(1);
+    cache.clear();
+    test::require_error([&] { cache.commit(1); }, {"KVCache::commit", "made room for 0"});
+    CHECK(cache.size() == 0);
+  }
+}

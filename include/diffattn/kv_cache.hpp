@@ -26,8 +26,10 @@ DIFFATTN_BEGIN_NAMESPACE
 /// that every read stays one contiguous view and memory is bounded by W, not
 /// by the sequence.
 ///
-/// The row-level calls (reserve, key_rows, value_rows, commit) are what a
-/// layer uses to append; engines that build their own layers can use them too.
+/// The row-level calls (reserve, key_rows, value_rows, keys_with, commit) are
+/// what a layer uses to append; engines that build their own layers can use
+/// them too. Rows outside the storage, or more rows than the last reserve()
+/// made room for, throw diffattn::error and change nothing.
 template <class T>
 class KVCache {
  public:
@@ -66,7 +68,7 @@ class KVCache {
     return static_cast<std::size_t>(k_.size() + v_.size()) * sizeof(T);
   }
   /// Forgets every token (the storage stays).
-  void clear() noexcept { size_ = start_ = end_ = 0; }
+  void clear() noexcept { size_ = start_ = end_ = reserved_ = 0; }
 
   /// The held keys (B, stored(), Hk, dk) and values (B, stored(), Hv, dv),
   /// oldest first.
@@ -81,7 +83,8 @@ class KVCache {
   }
   /// Makes room for n new tokens after the held rows (moving the kept rows to
   /// the front when the buffer is full) and returns the row where they go.
-  /// Nothing is appended until commit(n). Throws when n > max_append().
+  /// Nothing is appended until commit(n); another reserve replaces this one.
+  /// Throws when n > max_append().
   index_t reserve(index_t n) {
     if (n < 0 || n > max_append())
       detail::fail("KVCache::reserve", "cannot append ", n, " tokens to a cache holding ", size_,
@@ -94,20 +97,36 @@ class KVCache {
       start_ = 0;
       end_ = kept;
     }
+    reserved_ = n;
     return end_;
   }
-  /// Writable rows [row, row + n) of the key and value storage (B, n, H, D).
-  TensorView<T, 4> key_rows(index_t row, index_t n) { return rows_of(k_, row, n); }
-  TensorView<T, 4> value_rows(index_t row, index_t n) { return rows_of(v_, row, n); }
+  /// Writable rows [row, row + n) of the key and value storage (B, n, H, D),
+  /// 0 <= row <= row + n <= the rows it has (capacity, or 2W with a window).
+  TensorView<T, 4> key_rows(index_t row, index_t n) {
+    check_rows("KVCache::key_rows", row, n);
+    return rows_of(k_, row, n);
+  }
+  TensorView<T, 4> value_rows(index_t row, index_t n) {
+    check_rows("KVCache::value_rows", row, n);
+    return rows_of(v_, row, n);
+  }
   /// Keys and values of the held rows and the n reserved ones after them:
-  /// what the queries of those n tokens attend to.
-  TensorView<const T, 4> keys_with(index_t n) const { return rows_of(k_, start_, stored() + n); }
-  TensorView<const T, 4> values_with(index_t n) const { return rows_of(v_, start_, stored() + n); }
-  /// Appends the n reserved tokens; with a window, rows no query will read
-  /// again are dropped from the front.
-  void commit(index_t n) noexcept {
+  /// what the queries of those n tokens attend to (0 <= n <= the last reserve).
+  TensorView<const T, 4> keys_with(index_t n) const {
+    check_reserved("KVCache::keys_with", n);
+    return rows_of(k_, start_, stored() + n);
+  }
+  TensorView<const T, 4> values_with(index_t n) const {
+    check_reserved("KVCache::values_with", n);
+    return rows_of(v_, start_, stored() + n);
+  }
+  /// Appends n of the reserved tokens (0 <= n <= the last reserve); with a
+  /// window, rows no query will read again are dropped from the front.
+  void commit(index_t n) {
+    check_reserved("KVCache::commit", n);
     end_ += n;
     size_ += n;
+    reserved_ = 0;
     if (keep_ >= 0 && stored() > keep_) start_ = end_ - keep_;
   }
 
@@ -118,6 +137,17 @@ class KVCache {
   index_t value_dim() const noexcept { return v_.shape(3); }
 
  private:
+  void check_rows(const char* fn, index_t row, index_t n) const {
+    if (row < 0 || n < 0 || row > k_.shape(1) - n)
+      detail::fail(fn, "rows [", row, ", ", row, " + ", n, ") are outside the ", k_.shape(1),
+                   " rows of the cache's storage ", detail::shape_str(k_.shape()));
+  }
+  void check_reserved(const char* fn, index_t n) const {
+    if (n < 0 || n > reserved_)
+      detail::fail(fn, "n = ", n, " new rows, but the last reserve() made room for ", reserved_,
+                   " (a cache holding ", size_, " of capacity ", capacity_, ")");
+  }
+
   template <class U>
   static TensorView<U, 4> rows_view(U* base, const std::array<index_t, 4>& shape, index_t row,
                                     index_t n) {
@@ -144,6 +174,7 @@ class KVCache {
   index_t batch_ = 0, capacity_ = 0, keep_ = -1;
   index_t size_ = 0;             // tokens seen
   index_t start_ = 0, end_ = 0;  // held rows [start_, end_)
+  index_t reserved_ = 0;         // rows the last reserve() made room for
   Tensor<T, 4> k_, v_;           // (B, rows, Hk, dk), (B, rows, Hv, dv)
 };
 
