@@ -478,4 +478,20 @@ TEST_CASE("kvcache kernels refuse bad input", "[decode][errors]") {
       {"diff_attention_v1_kvcache", "k has 3 heads"});
   Tensor<float, 4> bad_out({2, 1, 4, 8});
   diffattn::attention_kvcache<float>(q, kp, vp, bad_out, {}, c, o);  // valid: no throw
+  // A table of B rows and no column is paged with capacity 0, not a request
+  // for contiguous caches (pools of B blocks could otherwise pass for them).
+  const auto kb = random_tensor<float, 4>({2, 3, 2, 8}, 9);
+  const auto vb = random_tensor<float, 4>({2, 3, 2, 8}, 10);
+  Tensor<index_t, 2> no_blocks({2, 0});
+  c.block_table = no_blocks;
+  lens(0) = 1;
+  lens(1) = 0;
+  test::require_error([&] { diffattn::attention_kvcache<float>(q, kb, vb, out, {}, c, o); },
+                      {"cache_seqlens[0] = 1", "capacity = 0", "block_table (2, 0)"});
+  lens(0) = 0;
+  Tensor<float, 3> lse({2, 4, 1});
+  diffattn::attention_kvcache<float>(q, kb, vb, out, lse, c, o);  // empty caches: zero rows
+  for (index_t i = 0; i < out.size(); ++i) CHECK(out.data()[i] == 0.0f);
+  for (index_t i = 0; i < lse.size(); ++i)
+    CHECK(lse.data()[i] == -std::numeric_limits<float>::infinity());
 }

@@ -271,3 +271,27 @@ TEST_CASE("the row-level calls refuse rows outside the storage or the reservatio
     CHECK(cache.size() == 0);
   }
 }
+
+TEST_CASE("a cache of batch 0 appends and decodes nothing", "[kv_cache]") {
+  // No storage at all: its row views must not offset a null pointer (the
+  // sanitizer build checks), past the first rows too.
+  KVCache<float> cache(0, 4, 1, 2, 1, 2);
+  for (index_t step = 0; step < 2; ++step) {
+    const index_t row = cache.reserve(2);
+    CHECK(row == 2 * step);
+    CHECK(cache.key_rows(row, 2).size() == 0);
+    CHECK(cache.value_rows(row, 2).size() == 0);
+    CHECK(cache.keys_with(2).shape(1) == row + 2);
+    cache.commit(2);
+  }
+  CHECK(cache.size() == 4);
+  DiffAttnV2Config cfg;
+  cfg.embed_dim = 16;
+  cfg.num_heads = 2;
+  MultiheadDiffAttnV2<float> m(cfg, 3);
+  auto layer_cache = m.make_cache(0, 6);
+  const Tensor<float, 3> x({0, 3, 16});
+  CHECK(m.forward(x, layer_cache).size() == 0);
+  CHECK(m.forward(x, layer_cache).size() == 0);
+  CHECK(layer_cache.size() == 6);
+}

@@ -151,7 +151,9 @@ class KVCache {
   template <class U>
   static TensorView<U, 4> rows_view(U* base, const std::array<index_t, 4>& shape, index_t row,
                                     index_t n) {
-    return TensorView<U, 4>(base + (n > 0 ? row * shape[2] * shape[3] : 0),
+    // No offset into empty storage (batch 0: no buffer at all).
+    const bool empty = n == 0 || shape[0] == 0;
+    return TensorView<U, 4>(base + (empty ? 0 : row * shape[2] * shape[3]),
                             {shape[0], n, shape[2], shape[3]},
                             {shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1});
   }

@@ -33,7 +33,9 @@ struct KVCacheBatch {
   /// (B) valid keys of each sequence, 0 <= cache_seqlens(b) <= capacity
   /// (FlashAttention's cache_seqlens; the new tokens' keys already appended).
   TensorView<const index_t, 1> cache_seqlens;
-  /// (B, max_blocks_per_seq) block indices into the pools; empty: contiguous.
+  /// (B, max_blocks_per_seq) block indices into the pools; a default (0 x 0)
+  /// view: contiguous caches. A table of B rows and no column is a paged
+  /// layout of capacity 0.
   TensorView<const index_t, 2> block_table;
   /// Keys per split-KV chunk of a decoding step (fewer than 6 new queries per
   /// sequence): longer key ranges are cut into chunks of this many keys, each
@@ -45,6 +47,13 @@ struct KVCacheBatch {
 
 namespace detail {
 
+/// Whether the caches are paged: a block table other than the default 0 x 0
+/// view (one of B rows and no column holds no element either, but is paged).
+inline bool kvcache_paged(const KVCacheBatch& c) {
+  return c.block_table.data() != nullptr || c.block_table.shape(0) != 0 ||
+         c.block_table.shape(1) != 0;
+}
+
 /// The views the contiguous kernels' checks see: the caches themselves, or
 /// (paged) each pool seen as a (B, block_size, H, D) cache whose every batch
 /// entry is block 0, so that head counts and widths are checked as there.
@@ -54,7 +63,7 @@ std::array<TensorView<const KV, 4>, 2> kvcache_check_views(const char* fn,
                                                            const TensorView<const KV, 4>& k,
                                                            const TensorView<const KV, 4>& v,
                                                            const KVCacheBatch& c) {
-  if (c.block_table.empty() && c.block_table.data() == nullptr) return {k, v};
+  if (!kvcache_paged(c)) return {k, v};
   check_head_contiguous(fn, "k_cache", k);
   check_head_contiguous(fn, "v_cache", v);
   if (k.shape(0) < 1 || k.shape(1) < 1)
@@ -78,7 +87,7 @@ void attach_kvcache(const char* fn, AttentionProblem<T, KV>& p, const TensorView
                     const TensorView<const KV, 4>& v, const KVCacheBatch& c,
                     const AttentionOptions& options) {
   const index_t B = p.batch;
-  const bool paged = !(c.block_table.empty() && c.block_table.data() == nullptr);
+  const bool paged = kvcache_paged(c);
   check_shape(fn, "cache_seqlens", c.cache_seqlens, {B}, "(B)");
   if (c.split_keys < 0) fail(fn, "split_keys must be >= 0 (0: the default), got ", c.split_keys);
   if (paged) {

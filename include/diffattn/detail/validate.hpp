@@ -65,7 +65,8 @@ struct AttentionProblem {
   TensorView<const index_t, 1> cache_seqlens;  // (B)
   // Paged caches (vLLM's block tables): k and v are pools (num_blocks,
   // block_size, H, D), and key j of batch entry b is row j % block_size of
-  // block block_table(b, j / block_size). Empty: k and v are (B, M, H, D).
+  // block block_table(b, j / block_size). block_size 0: k and v are
+  // (B, M, H, D).
   TensorView<const index_t, 2> block_table;  // (B, max_blocks_per_seq)
   index_t block_size = 0;
   // Decoding steps (fewer than kMR queries) split their visible keys into
@@ -90,7 +91,7 @@ struct AttentionProblem {
  private:
   const KV* row_of(const TensorView<const KV, 4>& t, const SeqSpan& sq, index_t j,
                    index_t h) const {
-    if (block_table.empty()) return &t(sq.b, sq.k0 + j, h, 0);
+    if (block_size == 0) return &t(sq.b, sq.k0 + j, h, 0);
     return &t(block_table(sq.b, j / block_size), j % block_size, h, 0);
   }
 };
