@@ -171,7 +171,8 @@ void fuzz_cache(Input& in) {
   const index_t storage = keep < 0 ? capacity : std::min(capacity, 2 * (keep + 1));
   for (int op = 0; op < 24 && in.n; ++op) {
     const std::uint8_t code = in.u8();
-    const index_t a = static_cast<index_t>(in.u8() % 12) - 2, b = static_cast<index_t>(in.u8() % 12) - 2;
+    const index_t a = static_cast<index_t>(in.u8() % 12) - 2;
+    const index_t b = static_cast<index_t>(in.u8() % 12) - 2;
     const index_t size = cache.size(), stored = cache.stored();
     bool refused = false;
     try {
@@ -179,12 +180,13 @@ void fuzz_cache(Input& in) {
         case 0:
           cache.reserve(a);
           break;
-        case 1: {
+        case 1: {  // every element written, for the sanitizer
           TensorView<float, 4> rows = cache.key_rows(a, b);
-          for (index_t i = 0; i < rows.size(); ++i)  // every element, for the sanitizer
-            rows(i / (rows.shape(1) * rows.shape(2) * rows.shape(3)),
-                 i / (rows.shape(2) * rows.shape(3)) % rows.shape(1), i / rows.shape(3) % rows.shape(2),
-                 i % rows.shape(3)) = static_cast<float>(i);
+          for (index_t s = 0; s < rows.shape(0); ++s)
+            for (index_t r = 0; r < rows.shape(1); ++r)
+              for (index_t h = 0; h < rows.shape(2); ++h)
+                for (index_t c = 0; c < rows.shape(3); ++c)
+                  rows(s, r, h, c) = static_cast<float>(r);
           break;
         }
         case 2: {
