@@ -11,13 +11,15 @@ jobs=${DIFFATTN_JOBS:-2}
 fuzz_seconds=${DIFFATTN_FUZZ_SECONDS:-30}
 
 sh cmake/deps.sh --test
+start=$(date +%s)
+stage() { echo "== $1 ($(($(date +%s) - start)) s in)"; }
 
-echo "== 1/3 release build and tests"
+stage "1/3 release build and tests"
 cmake -S . -B build
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
-echo "== 2/3 tests under AddressSanitizer and UndefinedBehaviorSanitizer"
+stage "2/3 tests under AddressSanitizer and UndefinedBehaviorSanitizer"
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 # The examples run in stage 1; here the unit tests, which reach the same code.
 # -g1 keeps the line tables the sanitizers' reports need and compiles a third
@@ -38,7 +40,7 @@ if ctest --test-dir build-sanitize -N -R mpi | grep -q "Test *#"; then
     ctest --test-dir build-sanitize --output-on-failure -R mpi
 fi
 
-echo "== 3/3 fuzzing the safetensors reader, the view checks and the KV cache kernels"
+stage "3/3 fuzzing the safetensors reader, the view checks and the KV cache kernels"
 cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDIFFATTN_BUILD_FUZZERS=ON -DDIFFATTN_BUILD_TESTS=OFF -DDIFFATTN_BUILD_EXAMPLES=OFF \
   -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF
@@ -57,4 +59,4 @@ for target in safetensors views kvcache; do
   fi
   grep -E "^Done|stat::number_of_executed_units" "$log" || true
 done
-echo "== all checks passed"
+echo "== all checks passed in $(($(date +%s) - start)) s (after the dependencies)"
