@@ -136,8 +136,8 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   namespace dm = diffattn::mpi;
   const Sharding s = c.sharding;
   const auto ql = dm::shard(q, rank, world, s), kl = dm::shard(k, rank, world, s),
-             vl = dm::shard(v, rank, world, s), ll = dm::shard(logit, rank, world, s),
-             dol = dm::shard(dout, rank, world, s);
+             vl = dm::shard(v, rank, world, s), dol = dm::shard(dout, rank, world, s);
+  const auto ll = dm::shard(logit, rank, world, s);  // rank 3, the others rank 4
   const index_t n = ql.shape(1);
   Tensor<T, 4> outl({B, n, oh, dv}), dql(ql.shape()), dkl(kl.shape()), dvl(vl.shape());
   Tensor<T, 3> lsel({B, qh, n}), dlogitl(ll.shape());
