@@ -215,63 +215,60 @@ void decode(benchmark::State& state, const Layer& L, index_t block_size = 0) {
   }
 }
 
+/// Steps of rigs a and b alternately, each on its own cold copies, in turn
+/// first, so that both meet the same neighbours; a's step times the
+/// iteration. Their total seconds and the steps each ran.
+struct Alternated {
+  double a_s = 0, b_s = 0;
+  double steps = 0;
+};
+Alternated alternate(benchmark::State& state, DecodeRig& a, DecodeRig& b) {
+  Alternated r;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    double ta, tb;
+    if (it % 2 == 0) {
+      ta = a.step(it);
+      tb = b.step(it);
+    } else {
+      tb = b.step(it);
+      ta = a.step(it);
+    }
+    state.SetIterationTime(ta);
+    r.a_s += ta;
+    r.b_s += tb;
+    ++it;
+  }
+  r.steps = static_cast<double>(it);
+  set_counters(state, 0, static_cast<double>(a.kv_bytes));
+  return r;
+}
+
 /// A layer's steps and the 8-query baseline's (Plain8: the same 8 kv heads of
-/// 64 as V2), alternating, each on its own cold copies, in turn first: the
-/// time ratio measured under the same neighbours (`vs_baseline`, the layer's
-/// time over the baseline's; `baseline_ms`). The layer's time is reported.
+/// 64 as V2), alternated: the time ratio measured under the same neighbours
+/// (`vs_baseline`, the layer's time over the baseline's; `baseline_ms`). The
+/// layer's time is reported.
 void decode_vs_baseline(benchmark::State& state, const Layer& L) {
   const index_t M = state.range(0), B = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   DecodeRig rig(L, M, B, threads, false),
       base({Kind::plain, 8, 8, 8, 64, 64}, M, B, threads, false);
-  double step_s = 0, base_s = 0;
-  std::size_t it = 0;
-  for (auto _ : state) {
-    double s, b;
-    if (it % 2 == 0) {
-      s = rig.step(it);
-      b = base.step(it);
-    } else {
-      b = base.step(it);
-      s = rig.step(it);
-    }
-    state.SetIterationTime(s);
-    step_s += s;
-    base_s += b;
-    ++it;
-  }
-  set_counters(state, 0, static_cast<double>(rig.kv_bytes));
-  state.counters["baseline_ms"] = 1e3 * base_s / static_cast<double>(it);
-  state.counters["vs_baseline"] = step_s / base_s;
+  const Alternated r = alternate(state, rig, base);
+  state.counters["baseline_ms"] = 1e3 * r.b_s / r.steps;
+  state.counters["vs_baseline"] = r.a_s / r.b_s;
 }
 
-/// A layer's step on 2 threads and on 1, alternating, each on its own cold
-/// copies, in turn first: `speedup`, the 1-thread time over the 2-thread one,
-/// measured under the same neighbours (`one_thread_ms`). The 2-thread time is
-/// reported. A decoding step of one sequence gets its parallelism from the
-/// split of its keys into chunks (KVCacheBatch::split_keys).
+/// A layer's step on 2 threads and on 1, alternated: `speedup`, the 1-thread
+/// time over the 2-thread one, measured under the same neighbours
+/// (`one_thread_ms`). The 2-thread time is reported. A decoding step of one
+/// sequence gets its parallelism from the split of its keys into chunks
+/// (KVCacheBatch::split_keys).
 void decode_thread_scaling(benchmark::State& state, const Layer& L) {
   const index_t M = state.range(0), B = state.range(1);
   DecodeRig two(L, M, B, 2, false), one(L, M, B, 1, false);
-  double two_s = 0, one_s = 0;
-  std::size_t it = 0;
-  for (auto _ : state) {
-    double t, o;
-    if (it % 2 == 0) {
-      t = two.step(it);
-      o = one.step(it);
-    } else {
-      o = one.step(it);
-      t = two.step(it);
-    }
-    state.SetIterationTime(t);
-    two_s += t;
-    one_s += o;
-    ++it;
-  }
-  set_counters(state, 0, static_cast<double>(two.kv_bytes));
-  state.counters["one_thread_ms"] = 1e3 * one_s / static_cast<double>(it);
-  state.counters["speedup"] = one_s / two_s;
+  const Alternated r = alternate(state, two, one);
+  state.counters["one_thread_ms"] = 1e3 * r.b_s / r.steps;
+  state.counters["speedup"] = r.b_s / r.a_s;
 }
 
 void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }

@@ -11,11 +11,11 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <vector>
 
 #include <diffattn/kv_cache.hpp>
 #include <diffattn/kvcache_attention.hpp>
+
+#include "fuzz_input.hpp"
 
 namespace {
 
@@ -23,23 +23,16 @@ using diffattn::index_t;
 using diffattn::Tensor;
 using diffattn::TensorView;
 
-struct Input {
-  const std::uint8_t* p;
-  std::size_t n;
-  std::uint8_t u8() {
-    if (!n) return 0;
-    --n;
-    return *p++;
-  }
-  /// A small value in [-4, 4).
-  float value() { return static_cast<float>(static_cast<int>(u8()) - 128) / 32.0f; }
-};
+using fuzz::Input;
+
+/// A small value in [-4, 4).
+float value(Input& in) { return static_cast<float>(static_cast<int>(in.u8()) - 128) / 32.0f; }
 
 template <std::size_t R>
 Tensor<float, R> filled(Input& in, std::array<index_t, R> shape) {
   for (auto& s : shape) s = std::max<index_t>(s, 0);
   Tensor<float, R> t(shape);
-  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = in.value();
+  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = value(in);
   return t;
 }
 

@@ -4,41 +4,19 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include <diffattn/attention.hpp>
 #include <diffattn/packed.hpp>
 #include <diffattn/attention_backward.hpp>
 
+#include "fuzz_input.hpp"
+
 namespace {
 
 using diffattn::index_t;
 using diffattn::TensorView;
-
-struct Input {
-  const std::uint8_t* p;
-  std::size_t n;
-  std::uint8_t u8() {
-    if (!n) return 0;
-    --n;
-    return *p++;
-  }
-  std::int64_t i64() {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v = (v << 8) | u8();
-    std::int64_t s;
-    std::memcpy(&s, &v, sizeof s);
-    return s;
-  }
-  float f32() {
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v = (v << 8) | u8();
-    float f;
-    std::memcpy(&f, &v, sizeof f);
-    return f;
-  }
-};
+using fuzz::Input;
 
 /// A small tensor with fuzzed layout over its own buffer (large enough for its
 /// strides: the views never promise more memory than they have).
