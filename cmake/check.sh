@@ -3,12 +3,12 @@
 #   1. the release build: tests, examples' smoke tests, consumer projects;
 #   2. the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #   3. the libFuzzer targets (clang) over their seed corpora and then for
-#      DIFFATTN_FUZZ_SECONDS (default 30) each.
+#      DIFFATTN_FUZZ_SECONDS (default 25) each.
 # DIFFATTN_JOBS sets the build parallelism (default 2).
 set -eu
 cd "$(dirname "$0")/.."
 jobs=${DIFFATTN_JOBS:-2}
-fuzz_seconds=${DIFFATTN_FUZZ_SECONDS:-30}
+fuzz_seconds=${DIFFATTN_FUZZ_SECONDS:-25}
 
 sh cmake/deps.sh --test
 start=$(date +%s)
@@ -40,13 +40,13 @@ if ctest --test-dir build-sanitize -N -R mpi | grep -q "Test *#"; then
     ctest --test-dir build-sanitize --output-on-failure -R mpi
 fi
 
-stage "3/3 fuzzing the safetensors reader, the view checks and the KV cache kernels"
+stage "3/3 fuzzing the safetensors reader, the view checks, the KV cache kernels and the layers' caches"
 cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDIFFATTN_BUILD_FUZZERS=ON -DDIFFATTN_BUILD_TESTS=OFF -DDIFFATTN_BUILD_EXAMPLES=OFF \
   -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF
 cmake --build build-fuzz -j"$jobs"
 ctest --test-dir build-fuzz --output-on-failure
-for target in safetensors views kvcache; do
+for target in safetensors views kvcache layers; do
   corpus="build-fuzz/corpus/$target"
   mkdir -p "$corpus"
   log="build-fuzz/fuzz_$target.log"

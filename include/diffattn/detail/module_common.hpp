@@ -104,17 +104,20 @@ void module_check_packed(const char* fn, const TensorView<const T, 3>& x,
          "cu_seqlens_q");
 }
 
-/// Rows [r0, r0 + n) of t (B, N, H, D) as a (B, n, H, D) view.
+/// Rows [r0, r0 + n) of t (B, N, H, D) as a (B, n, H, D) view. Empty t (no
+/// batch entry, no row) has no buffer, and is not offset into.
 template <class T>
 TensorView<T, 4> module_rows(Tensor<T, 4>& t, index_t r0, index_t n) {
   const auto& s = t.shape();
-  return TensorView<T, 4>(t.data() + (n > 0 ? r0 * s[2] * s[3] : 0), {s[0], n, s[2], s[3]},
+  const bool empty = n == 0 || s[0] == 0;
+  return TensorView<T, 4>(t.data() + (empty ? 0 : r0 * s[2] * s[3]), {s[0], n, s[2], s[3]},
                           {s[1] * s[2] * s[3], s[2] * s[3], s[3], 1});
 }
 template <class T>
 TensorView<const T, 3> module_rows(const Tensor<T, 3>& t, index_t r0, index_t n) {
   const auto& s = t.shape();
-  return TensorView<const T, 3>(t.data() + (n > 0 ? r0 * s[2] : 0), {s[0], n, s[2]},
+  const bool empty = n == 0 || s[0] == 0;
+  return TensorView<const T, 3>(t.data() + (empty ? 0 : r0 * s[2]), {s[0], n, s[2]},
                                 {s[1] * s[2], s[2], 1});
 }
 

@@ -1,0 +1,187 @@
+// libFuzzer target: the layers' KV caches driven as an engine drives them.
+// A fuzzed V1 or V2 layer (heads, kv heads, head width, rotary on or off, a
+// sliding window or none) gets a cache of float, bfloat16 or half for a
+// fuzzed batch and capacity, then up to 16 fuzzed calls: forward(x, cache) on
+// 0-9 new tokens (x of the wrong width or batch now and then), and clear().
+// Every call must run or throw diffattn::error, and the sanitizers check that
+// nothing undefined runs. Checked on every call (a failure traps):
+//   - a refused call leaves size() and stored() as they were, and it is
+//     refused exactly when the tokens do not fit or x does not match;
+//   - a float cache's outputs equal the layer's forward on the whole sequence
+//     since the last clear() (1e-4 of its largest value), whatever the pieces,
+//     so a refused call cannot have changed a held row either;
+//   - a 16-bit cache's outputs equal, to 1e-4, those of a twin cache of the
+//     same type fed the same tokens one at a time; for V2 they also stay
+//     within 8 units of the storage's rounding of the float forward (V1's
+//     per-head norm can scale a rounding error up by 1 / sqrt(eps)).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <diffattn/module.hpp>
+
+#include "fuzz_input.hpp"
+
+namespace {
+
+using diffattn::index_t;
+using diffattn::Tensor;
+using diffattn::TensorView;
+
+using fuzz::Input;
+
+/// max |a - b| over a's rows, b's rows [a0, a0 + a.shape(1)); and max |b| there.
+struct Diff {
+  float diff = 0, scale = 0;
+};
+Diff compare(const Tensor<float, 3>& a, const Tensor<float, 3>& b, index_t a0) {
+  Diff d;
+  for (index_t s = 0; s < a.shape(0); ++s)
+    for (index_t i = 0; i < a.shape(1); ++i)
+      for (index_t e = 0; e < a.shape(2); ++e) {
+        const float x = a(s, i, e), y = b(s, a0 + i, e);
+        if (!std::isfinite(x)) __builtin_trap();
+        d.diff = std::max(d.diff, std::fabs(x - y));
+        d.scale = std::max(d.scale, std::fabs(y));
+      }
+  return d;
+}
+
+/// Tokens [a, a + n) of x (B, N, E), as a copy.
+Tensor<float, 3> tokens(const Tensor<float, 3>& x, index_t a, index_t n) {
+  Tensor<float, 3> t({x.shape(0), n, x.shape(2)});
+  for (index_t s = 0; s < x.shape(0); ++s)
+    for (index_t i = 0; i < n; ++i)
+      for (index_t e = 0; e < x.shape(2); ++e) t(s, i, e) = x(s, a + i, e);
+  return t;
+}
+
+/// x (B, N, E) with tokens appended.
+Tensor<float, 3> joined(const Tensor<float, 3>& x, const Tensor<float, 3>& more) {
+  const index_t b = more.shape(0), n = x.shape(1), m = more.shape(1), e = more.shape(2);
+  Tensor<float, 3> t({b, n + m, e});
+  for (index_t s = 0; s < b; ++s)
+    for (index_t e0 = 0; e0 < e; ++e0) {
+      for (index_t i = 0; i < n; ++i) t(s, i, e0) = x(s, i, e0);
+      for (index_t i = 0; i < m; ++i) t(s, n + i, e0) = more(s, i, e0);
+    }
+  return t;
+}
+
+template <class Layer, class S>
+void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
+  constexpr bool narrow = !std::is_same<S, float>::value;
+  // Against the float forward: to rounding for a float cache; for a 16-bit
+  // one, 8 units of its rounding (2^-8 bfloat16, 2^-11 half) for V2, and no
+  // bound for V1, whose per-head RMSNorm scales a head's output up by as much
+  // as 1 / sqrt(eps) where its two maps nearly cancel (found with E = 1: a
+  // bfloat16 cache 0.17 off, half 0.011, the twin below exact).
+  constexpr bool v1 = std::is_same<Layer, diffattn::MultiheadDiffAttnV1<float>>::value;
+  const float unit = std::is_same<S, diffattn::half>::value ? 0x1p-11f : 0x1p-8f;
+  const float bound = !narrow ? 1e-4f : v1 ? INFINITY : 8 * unit;
+  const index_t E = layer.config().embed_dim;
+  auto cache = layer.template make_cache<S>(batch, capacity);
+  auto twin = layer.template make_cache<S>(batch, capacity);  // one token at a time
+  Tensor<float, 3> seen({batch, 0, E});                         // tokens since clear()
+  for (int op = 0; op < 16 && in.n; ++op) {
+    const std::uint8_t code = in.u8();
+    if (code % 8 == 7) {
+      cache.clear();
+      twin.clear();
+      seen = Tensor<float, 3>({batch, 0, E});
+      continue;
+    }
+    const index_t n = code % 10;
+    const bool bad_width = code / 8 % 16 == 5, bad_batch = code / 8 % 16 == 9;
+    const index_t xb = bad_batch ? batch + 1 : batch, xe = bad_width ? E + 1 : E;
+    Tensor<float, 3> x({xb, n, xe});
+    for (index_t i = 0; i < x.size(); ++i)
+      x.data()[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 64.0f;
+    const index_t size = cache.size(), stored = cache.stored();
+    const bool fits = n <= capacity - size;
+    Tensor<float, 3> y;
+    try {
+      y = layer.forward(x, cache);
+    } catch (const diffattn::error&) {
+      if (cache.size() != size || cache.stored() != stored) __builtin_trap();
+      if (fits && !bad_width && !bad_batch) __builtin_trap();  // refused what fits
+      continue;
+    }
+    if (!fits || bad_width || bad_batch) __builtin_trap();  // accepted what does not
+    if (cache.size() != size + n || y.shape(1) != n || y.shape(0) != batch) __builtin_trap();
+    if (cache.stored() > cache.size()) __builtin_trap();
+    const index_t a = seen.shape(1);
+    seen = joined(seen, x);
+    const Tensor<float, 3> full = layer.forward(seen);
+    const Diff d = compare(y, full, a);
+    if (!(d.diff <= bound * std::max(d.scale, 1.0f))) __builtin_trap();
+    if (narrow) {
+      Tensor<float, 3> one({batch, n, E});
+      for (index_t i = 0; i < n; ++i) {
+        const Tensor<float, 3> yi = layer.forward(tokens(x, i, 1), twin);
+        for (index_t s = 0; s < batch; ++s)
+          for (index_t e = 0; e < E; ++e) one(s, i, e) = yi(s, 0, e);
+      }
+      const Diff t = compare(y, joined(Tensor<float, 3>({batch, 0, E}), one), 0);
+      if (!(t.diff <= 1e-4f * std::max(t.scale, 1.0f))) __builtin_trap();
+    }
+  }
+}
+
+template <class Layer>
+void drive_any(Layer& layer, Input& in, int storage, index_t batch, index_t capacity) {
+  switch (storage) {
+    case 1:
+      return drive<Layer, diffattn::bfloat16>(layer, in, batch, capacity);
+    case 2:
+      return drive<Layer, diffattn::half>(layer, in, batch, capacity);
+    default:
+      return drive<Layer, float>(layer, in, batch, capacity);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  Input in{data, size};
+  const std::uint8_t shape = in.u8(), dims = in.u8(), more = in.u8();
+  const bool v1 = shape & 1, rope = shape & 2;
+  const int storage = (shape >> 2) % 3;
+  const index_t heads = 1 + (shape >> 4) % 3;
+  const index_t kv = (shape >> 6) % 2 ? heads : 1;  // GQA/MQA or one kv head per head
+  const index_t hd = 1 + dims % 6;                    // odd widths meet rotary's check
+  const index_t embed = 1 + (dims >> 3) % 12;
+  const index_t window = more % 4 == 0 ? -1 : static_cast<index_t>(more % 7) - 1;  // -1..5
+  const index_t batch = (more >> 3) % 3, capacity = (more >> 5) * 4;               // 0..28
+  const std::uint64_t seed = in.u8();
+  try {
+    if (v1) {
+      diffattn::DiffAttnV1Config c;
+      c.embed_dim = embed;
+      c.num_heads = heads;
+      c.num_kv_heads = kv;
+      c.head_dim = hd;
+      c.rope = rope;
+      c.window_left = window;
+      c.depth = static_cast<int>(seed % 4);
+      diffattn::MultiheadDiffAttnV1<float> layer(c, seed);
+      layer.set_num_threads(1);
+      drive_any(layer, in, storage, batch, capacity);
+    } else {
+      diffattn::DiffAttnV2Config c;
+      c.embed_dim = embed;
+      c.num_heads = heads;
+      c.num_kv_heads = kv;
+      c.head_dim = hd;
+      c.rope = rope;
+      c.window_left = window;
+      diffattn::MultiheadDiffAttnV2<float> layer(c, seed);
+      layer.set_num_threads(1);
+      drive_any(layer, in, storage, batch, capacity);
+    }
+  } catch (const diffattn::error&) {
+    // A configuration the layer refuses (odd widths with rotary, and so on).
+  }
+  return 0;
+}
