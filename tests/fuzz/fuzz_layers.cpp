@@ -155,28 +155,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const index_t window = more % 4 == 0 ? -1 : static_cast<index_t>(more % 7) - 1;  // -1..5
   const index_t batch = (more >> 3) % 3, capacity = (more >> 5) * 4;               // 0..28
   const std::uint64_t seed = in.u8();
+  // The fields both layers' configurations have.
+  const auto shaped = [&](auto c) {
+    c.embed_dim = embed;
+    c.num_heads = heads;
+    c.num_kv_heads = kv;
+    c.head_dim = hd;
+    c.rope = rope;
+    c.window_left = window;
+    return c;
+  };
   try {
     if (v1) {
-      diffattn::DiffAttnV1Config c;
-      c.embed_dim = embed;
-      c.num_heads = heads;
-      c.num_kv_heads = kv;
-      c.head_dim = hd;
-      c.rope = rope;
-      c.window_left = window;
+      diffattn::DiffAttnV1Config c = shaped(diffattn::DiffAttnV1Config{});
       c.depth = static_cast<int>(seed % 4);
       diffattn::MultiheadDiffAttnV1<float> layer(c, seed);
       layer.set_num_threads(1);
       drive_any(layer, in, storage, batch, capacity);
     } else {
-      diffattn::DiffAttnV2Config c;
-      c.embed_dim = embed;
-      c.num_heads = heads;
-      c.num_kv_heads = kv;
-      c.head_dim = hd;
-      c.rope = rope;
-      c.window_left = window;
-      diffattn::MultiheadDiffAttnV2<float> layer(c, seed);
+      diffattn::MultiheadDiffAttnV2<float> layer(shaped(diffattn::DiffAttnV2Config{}), seed);
       layer.set_num_threads(1);
       drive_any(layer, in, storage, batch, capacity);
     }
