@@ -3,7 +3,7 @@
 #   1. the release build: tests, examples' smoke tests, consumer projects;
 #   2. the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer;
 #   3. the libFuzzer targets (clang) over their seed corpora and then for
-#      DIFFATTN_FUZZ_SECONDS (default 25) each.
+#      DIFFATTN_FUZZ_SECONDS (default 25) each, DIFFATTN_JOBS at a time.
 # DIFFATTN_JOBS sets the build parallelism (default 2).
 set -eu
 cd "$(dirname "$0")/.."
@@ -46,17 +46,35 @@ cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWith
   -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF
 cmake --build build-fuzz -j"$jobs"
 ctest --test-dir build-fuzz --output-on-failure
-for target in safetensors views kvcache layers; do
-  corpus="build-fuzz/corpus/$target"
+# Each fuzzer runs on one thread: $jobs of them at a time.
+rm -f build-fuzz/fuzz_failed
+fuzz_one() {
+  corpus="build-fuzz/corpus/$1"
   mkdir -p "$corpus"
-  log="build-fuzz/fuzz_$target.log"
+  (cd build-fuzz && ./tests/fuzz/fuzz_"$1" -max_total_time="$fuzz_seconds" \
+    -print_final_stats=1 "corpus/$1" "../tests/fuzz/corpus/$1") >"build-fuzz/fuzz_$1.log" 2>&1 ||
+    echo "$1" >>build-fuzz/fuzz_failed
+}
+running=0
+for target in safetensors views kvcache layers; do
   echo "-- fuzz_$target for ${fuzz_seconds}s"
-  if ! (cd build-fuzz && ./tests/fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" \
-        -print_final_stats=1 "corpus/$target" "../tests/fuzz/corpus/$target") >"$log" 2>&1; then
-    tail -n 60 "$log"
-    echo "fuzz_$target found a failure (input saved in build-fuzz/)"
-    exit 1
+  fuzz_one "$target" &
+  running=$((running + 1))
+  if [ "$running" -ge "$jobs" ]; then
+    wait
+    running=0
   fi
-  grep -E "^Done|stat::number_of_executed_units" "$log" || true
 done
+wait
+for target in safetensors views kvcache layers; do
+  echo "-- fuzz_$target:"
+  grep -E "^Done|stat::number_of_executed_units" "build-fuzz/fuzz_$target.log" || true
+done
+if [ -s build-fuzz/fuzz_failed ]; then
+  for target in $(cat build-fuzz/fuzz_failed); do
+    tail -n 60 "build-fuzz/fuzz_$target.log"
+    echo "fuzz_$target found a failure (input saved in build-fuzz/)"
+  done
+  exit 1
+fi
 echo "== all checks passed in $(($(date +%s) - start)) s (after the dependencies)"
