@@ -47,13 +47,11 @@ Diff compare(const Tensor<float, 3>& a, const Tensor<float, 3>& b, index_t a0) {
   return d;
 }
 
-/// Tokens [a, a + n) of x (B, N, E), as a copy.
-Tensor<float, 3> tokens(const Tensor<float, 3>& x, index_t a, index_t n) {
-  Tensor<float, 3> t({x.shape(0), n, x.shape(2)});
-  for (index_t s = 0; s < x.shape(0); ++s)
-    for (index_t i = 0; i < n; ++i)
-      for (index_t e = 0; e < x.shape(2); ++e) t(s, i, e) = x(s, a + i, e);
-  return t;
+/// Tokens [a, a + n) of x (B, N, E), as a view (the layers take any strides).
+diffattn::TensorView<const float, 3> tokens(const Tensor<float, 3>& x, index_t a, index_t n) {
+  const auto& s = x.shape();
+  const float* first = x.size() > 0 ? x.data() + a * s[2] : x.data();  // batch 0: no buffer
+  return {first, {s[0], n, s[2]}, {s[1] * s[2], s[2], 1}};
 }
 
 /// x (B, N, E) with tokens appended.
