@@ -206,6 +206,17 @@ void forward_cases() {
 ///   (u (2 + 8 u + 1e-5) + 8 u + 1e-5) / (1 - u),  about 10 u.
 /// A float cache (make_cache<float>) keeps the keys and values exact: the
 /// float outputs differ by 1e-5 at most, (2 u + 1e-5 (1 + u)) / (1 - u).
+/// And as for forward, each cached call is bitwise the float twin's with a
+/// cache of the same type, rounded to S.
+template <class S>
+MultiheadDiffAttnV1<float> float_twin(const MultiheadDiffAttnV1<S>& m) {
+  return MultiheadDiffAttnV1<float>(m);
+}
+template <class S>
+MultiheadDiffAttnV2<float> float_twin(const MultiheadDiffAttnV2<S>& m) {
+  return MultiheadDiffAttnV2<float>(m);
+}
+
 template <class S, class Layer>
 double check_cached(Layer& m, const std::vector<index_t>& chunks, std::uint64_t seed) {
   index_t total = 0;
@@ -217,6 +228,9 @@ double check_cached(Layer& m, const std::vector<index_t>& chunks, std::uint64_t 
   static_assert(std::is_same<decltype(cache), diffattn::KVCache<S>>::value, "a cache of S");
   auto cache_f = m.template make_cache<float>(b, total + 3);
   REQUIRE(cache.bytes() * 2 == cache_f.bytes());
+  auto mf = float_twin(m);
+  auto twin_cache = mf.template make_cache<S>(b, total + 3);
+  const Tensor<float, 3> xf = cast<float>(x);
   const double u = unit_roundoff<S>();
   const double tol = (u * (2 + 8 * u + 1e-5) + 8 * u + 1e-5) / (1 - u);
   const double tol_f = (2 * u + 1e-5 * (1 + u)) / (1 - u);
@@ -225,6 +239,7 @@ double check_cached(Layer& m, const std::vector<index_t>& chunks, std::uint64_t 
   for (index_t c : chunks) {
     INFO(type_name<S>() << " layer, chunk of " << c << " at " << a);
     const Tensor<S, 3> y = m.forward(tokens(x, a, c), cache);
+    CHECK(bitwise_equal(y, cast<S>(mf.forward(tokens(xf, a, c), twin_cache))));
     const auto dm = diff_max(y, full, a);
     worst = std::max(worst, dm.first / dm.second);
     CHECK(dm.first <= tol * dm.second);

@@ -14,12 +14,18 @@
 //     same type fed the same tokens one at a time; for V2 they also stay
 //     within 8 units of the storage's rounding of the float forward (V1's
 //     per-head norm can scale a rounding error up by 1 / sqrt(eps)).
+// The layer itself holds float, bfloat16 or half. A 16-bit layer computes in
+// float and rounds its output once, so with any cache its outputs must equal,
+// bit for bit, the rounding of its float twin's (the layer widened, with a
+// cache of the same type fed the same tokens), and it must refuse exactly
+// what the twin refuses.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include <diffattn/module.hpp>
+#include <diffattn/types.hpp>
 
 #include "fuzz_input.hpp"
 
@@ -80,7 +86,7 @@ void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
   const index_t E = layer.config().embed_dim;
   auto cache = layer.template make_cache<S>(batch, capacity);
   auto twin = layer.template make_cache<S>(batch, capacity);  // one token at a time
-  Tensor<float, 3> seen({batch, 0, E});                         // tokens since clear()
+  Tensor<float, 3> seen({batch, 0, E});                       // tokens since clear()
   for (int op = 0; op < 16 && in.n; ++op) {
     const std::uint8_t code = in.u8();
     if (code % 8 == 7) {
@@ -126,15 +132,93 @@ void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
   }
 }
 
-template <class Layer>
-void drive_any(Layer& layer, Input& in, int storage, index_t batch, index_t capacity) {
+/// A 16-bit layer (T) and its float twin, each with a cache of S, driven by
+/// the same calls: every output of the layer is bitwise the rounding of the
+/// twin's to T, and a call the one refuses the other refuses, neither cache
+/// changed.
+template <class T, class S, template <class> class Layer>
+void drive_narrow(Layer<T>& layer, Layer<float>& twin, Input& in, index_t batch, index_t capacity) {
+  const index_t E = layer.config().embed_dim;
+  auto cache = layer.template make_cache<S>(batch, capacity);
+  auto cache_f = twin.template make_cache<S>(batch, capacity);
+  for (int op = 0; op < 16 && in.n; ++op) {
+    const std::uint8_t code = in.u8();
+    if (code % 8 == 7) {
+      cache.clear();
+      cache_f.clear();
+      continue;
+    }
+    const index_t n = code % 10;
+    const bool bad_width = code / 8 % 16 == 5, bad_batch = code / 8 % 16 == 9;
+    const index_t xb = bad_batch ? batch + 1 : batch, xe = bad_width ? E + 1 : E;
+    // Multiples of 1/64 in [-2, 2): exact in bfloat16 and half, so both
+    // layers see the same x.
+    Tensor<float, 3> x({xb, n, xe});
+    Tensor<T, 3> xt({xb, n, xe});
+    for (index_t i = 0; i < x.size(); ++i) {
+      x.data()[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 64.0f;
+      xt.data()[i] = static_cast<T>(x.data()[i]);
+    }
+    const index_t size = cache.size(), stored = cache.stored();
+    const bool valid = n <= capacity - size && !bad_width && !bad_batch;
+    Tensor<T, 3> y;
+    try {
+      y = layer.forward(xt, cache);
+    } catch (const diffattn::error&) {
+      if (cache.size() != size || cache.stored() != stored || valid) __builtin_trap();
+      continue;
+    }
+    if (!valid || cache.size() != size + n || y.shape(0) != batch || y.shape(1) != n)
+      __builtin_trap();
+    Tensor<float, 3> yf;
+    try {
+      yf = twin.forward(x, cache_f);
+    } catch (const diffattn::error&) {
+      __builtin_trap();  // the twin refused what the layer ran
+    }
+    if (cache_f.size() != cache.size() || cache_f.stored() != cache.stored()) __builtin_trap();
+    for (index_t i = 0; i < y.size(); ++i) {
+      const T want = static_cast<T>(yf.data()[i]);
+      if (!std::isfinite(static_cast<float>(y.data()[i]))) __builtin_trap();
+      if (Eigen::numext::bit_cast<std::uint16_t>(y.data()[i]) !=
+          Eigen::numext::bit_cast<std::uint16_t>(want))
+        __builtin_trap();
+    }
+  }
+}
+
+template <class T, template <class> class Layer>
+void drive_narrow_any(const Layer<float>& trained, Input& in, int storage, index_t batch,
+                      index_t capacity) {
+  Layer<T> layer(trained);
+  Layer<float> twin(layer);
+  layer.set_num_threads(1);
+  twin.set_num_threads(1);
   switch (storage) {
     case 1:
-      return drive<Layer, diffattn::bfloat16>(layer, in, batch, capacity);
+      return drive_narrow<T, diffattn::bfloat16>(layer, twin, in, batch, capacity);
     case 2:
-      return drive<Layer, diffattn::half>(layer, in, batch, capacity);
+      return drive_narrow<T, diffattn::half>(layer, twin, in, batch, capacity);
     default:
-      return drive<Layer, float>(layer, in, batch, capacity);
+      return drive_narrow<T, float>(layer, twin, in, batch, capacity);
+  }
+}
+
+/// The layer of `layer_type` (0 float, 1 bfloat16, 2 half) made from a float
+/// one, with a cache of `storage` (0 float, 1 bfloat16, 2 half).
+template <template <class> class Layer>
+void drive_any(Layer<float>& layer, Input& in, int layer_type, int storage, index_t batch,
+               index_t capacity) {
+  if (layer_type == 1)
+    return drive_narrow_any<diffattn::bfloat16>(layer, in, storage, batch, capacity);
+  if (layer_type == 2) return drive_narrow_any<diffattn::half>(layer, in, storage, batch, capacity);
+  switch (storage) {
+    case 1:
+      return drive<Layer<float>, diffattn::bfloat16>(layer, in, batch, capacity);
+    case 2:
+      return drive<Layer<float>, diffattn::half>(layer, in, batch, capacity);
+    default:
+      return drive<Layer<float>, float>(layer, in, batch, capacity);
   }
 }
 
@@ -147,11 +231,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const int storage = (shape >> 2) % 3;
   const index_t heads = 1 + (shape >> 4) % 3;
   const index_t kv = (shape >> 6) % 2 ? heads : 1;  // GQA/MQA or one kv head per head
-  const index_t hd = 1 + dims % 6;                    // odd widths meet rotary's check
+  const index_t hd = 1 + dims % 6;                  // odd widths meet rotary's check
   const index_t embed = 1 + (dims >> 3) % 12;
   const index_t window = more % 4 == 0 ? -1 : static_cast<index_t>(more % 7) - 1;  // -1..5
   const index_t batch = (more >> 3) % 3, capacity = (more >> 5) * 4;               // 0..28
   const std::uint64_t seed = in.u8();
+  const int layer_type = static_cast<int>(seed >> 6) % 3;  // float, bfloat16, half
   // The fields both layers' configurations have.
   const auto shaped = [&](auto c) {
     c.embed_dim = embed;
@@ -168,11 +253,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       c.depth = static_cast<int>(seed % 4);
       diffattn::MultiheadDiffAttnV1<float> layer(c, seed);
       layer.set_num_threads(1);
-      drive_any(layer, in, storage, batch, capacity);
+      drive_any(layer, in, layer_type, storage, batch, capacity);
     } else {
       diffattn::MultiheadDiffAttnV2<float> layer(shaped(diffattn::DiffAttnV2Config{}), seed);
       layer.set_num_threads(1);
-      drive_any(layer, in, storage, batch, capacity);
+      drive_any(layer, in, layer_type, storage, batch, capacity);
     }
   } catch (const diffattn::error&) {
     // A configuration the layer refuses (odd widths with rotary, and so on).
