@@ -35,6 +35,12 @@
 // benchmarks minutes apart do not measure (V2 against Plain8 is the issue's
 // "decodes as fast as a baseline Transformer").
 //
+// BM_DecodeReadOrder_* run a step at M = 32k and read the same bytes twice
+// more, each over its own cold copy: in the step's order without its
+// arithmetic, and in address order. `of_pattern` says what the arithmetic
+// costs, `pattern_of_order` what the order of the reads costs (argument:
+// threads).
+//
 // Arguments: {M, B, threads, warm} (Paged: and the block size; VsBaseline:
 // {M, B, threads}). warm = 1 (the
 // BM_DecodeWarm_* runs): the caches are NOT rotated (M = 128: 512 KiB of K/V, which stays in L2),
@@ -88,6 +94,44 @@ void BM_ReadBandwidth(benchmark::State& state) {
   fill_uniform(buf, 1);
   for (auto _ : state) benchmark::DoNotOptimize(stream_read(buf.data(), n, threads));
   set_counters(state, 0, static_cast<double>(n) * sizeof(float));
+}
+
+/// Reads `rows` rows of row_floats floats at p, with `threads` threads taking
+/// chunks of kSplitKeys rows one at a time, in a decoding step's order and
+/// with none of its arithmetic: blocks of one packet's worth of rows, each
+/// block in passes of pass_floats floats of every row (V2's key pass reads
+/// two heads of 64, 512 bytes, per pass), asking for the same part of the
+/// row decode_ahead_rows on with the non-temporal hint as it loads it, as
+/// the step does (prefetch). pass_floats = row_floats without prefetch reads
+/// in address order.
+float pattern_read(const float* p, index_t rows, index_t row_floats, index_t pass_floats,
+                   bool prefetch, int threads) {
+  using Packet = diffattn::detail::TileConfig<float>::Packet;
+  constexpr index_t P = diffattn::detail::TileConfig<float>::kPacket;
+  constexpr index_t chunk = diffattn::detail::kSplitKeys;
+  const index_t ahead =
+      diffattn::detail::decode_ahead_rows(row_floats * static_cast<index_t>(sizeof(float)));
+  float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : sink)
+#endif
+  for (index_t c = 0; c < rows / chunk; ++c) {
+    using namespace Eigen::internal;
+    Packet a[4];
+    for (auto& x : a) x = pset1<Packet>(0.f);
+    const index_t end = (c + 1) * chunk;
+    for (index_t j0 = c * chunk; j0 < end; j0 += P)
+      for (index_t h = 0; h < row_floats; h += pass_floats)
+        for (index_t j = j0; j < j0 + P; ++j) {
+          const float* r = p + j * row_floats + h;
+          if (prefetch && j + ahead < end)
+            diffattn::detail::prefetch_row<0>(r + ahead * row_floats, pass_floats);
+          for (index_t t = 0; t < pass_floats; t += 4 * P)
+            for (int u = 0; u < 4; ++u) a[u] = padd(a[u], ploadu<Packet>(r + t + u * P));
+        }
+    sink += predux(padd(padd(a[0], a[1]), padd(a[2], a[3])));
+  }
+  return sink;
 }
 
 enum class Kind { v1, v2, plain };
@@ -271,6 +315,54 @@ void decode_thread_scaling(benchmark::State& state, const Layer& L) {
   state.counters["speedup"] = r.b_s / r.a_s;
 }
 
+/// What the step's read order costs, apart from its arithmetic: a layer's
+/// step at M = 32k (B = 1, `threads`) alternated with two reads of the same
+/// bytes (its K and V rows, each of the layer's kv heads), each over its own
+/// cold copy: pattern_read in the step's order (blocks of a packet's rows,
+/// pass_bytes of each row per pass, the step's prefetch) with none of its
+/// arithmetic, and pattern_read in address order. `of_pattern` is the step's
+/// rate over the pattern's (what its arithmetic costs), `pattern_of_order`
+/// the pattern's over address order's (what the order costs), `of_order`
+/// the step's over address order's. pass_bytes: the bytes of a row a step
+/// reads per pass (heads_together: two heads of 64 floats for V2 and the
+/// 8-query baseline).
+void decode_read_order(benchmark::State& state, const Layer& L, index_t pass_bytes) {
+  const index_t M = 32768;
+  const int threads = static_cast<int>(state.range(0));
+  DecodeRig rig(L, M, 1, threads, false);
+  const index_t row = L.kh * L.d, rows = 2 * M;  // K rows, then V rows (L.vh * L.dv = row)
+  const index_t pass = pass_bytes / static_cast<index_t>(sizeof(float));
+  std::vector<Tensor<float, 1>> copies;
+  for (std::size_t c = 0; c < cold_copies(rig.kv_bytes) + 1; ++c) {
+    copies.emplace_back(std::array<index_t, 1>{rows * row});
+    fill_uniform(copies.back(), c + 3);
+  }
+  using clock = std::chrono::steady_clock;
+  const auto seconds = [](clock::time_point t0) {
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  double step_s = 0, pattern_s = 0, order_s = 0;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    const double s = rig.step(it);
+    state.SetIterationTime(s);
+    step_s += s;
+    const std::size_t c = it % copies.size();
+    auto t0 = clock::now();
+    benchmark::DoNotOptimize(pattern_read(copies[c].data(), rows, row, pass, true, threads));
+    pattern_s += seconds(t0);
+    t0 = clock::now();
+    const float* y = copies[(c + copies.size() / 2) % copies.size()].data();
+    benchmark::DoNotOptimize(pattern_read(y, rows, row, row, false, threads));
+    order_s += seconds(t0);
+    ++it;
+  }
+  set_counters(state, 0, static_cast<double>(rig.kv_bytes));
+  state.counters["of_pattern"] = pattern_s / step_s;
+  state.counters["pattern_of_order"] = order_s / pattern_s;
+  state.counters["of_order"] = order_s / step_s;
+}
+
 void BM_Decode_V1(benchmark::State& s) { decode(s, {Kind::v1, 16, 16, 8, 64, 128}); }
 void BM_Decode_V2(benchmark::State& s) { decode(s, {Kind::v2, 16, 8, 8, 64, 64}); }
 void BM_Decode_Plain8(benchmark::State& s) { decode(s, {Kind::plain, 8, 8, 8, 64, 64}); }
@@ -291,6 +383,12 @@ void BM_DecodeVsBaseline_Plain16(benchmark::State& s) {
 void BM_DecodeThreads_MQA(benchmark::State& s) {
   decode_thread_scaling(s, {Kind::plain, 8, 1, 1, 128, 128});
 }
+void BM_DecodeReadOrder_V2(benchmark::State& s) {
+  decode_read_order(s, {Kind::v2, 16, 8, 8, 64, 64}, 512);
+}
+void BM_DecodeReadOrder_Plain8(benchmark::State& s) {
+  decode_read_order(s, {Kind::plain, 8, 8, 8, 64, 64}, 512);
+}
 void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
 void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
 
@@ -310,6 +408,12 @@ void vs_baseline_sizes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DecodeReadOrder_V2)->Arg(2)->Arg(1)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_DecodeReadOrder_Plain8)
+    ->Arg(2)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
 BENCHMARK(BM_Decode_V1)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_V2)->Apply(decode_sizes);
 BENCHMARK(BM_Decode_Plain8)->Apply(decode_sizes);

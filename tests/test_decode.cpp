@@ -321,7 +321,8 @@ TEST_CASE("decoding with the usual head widths and many query rows per kv head",
 
 TEST_CASE("decoding reads several kv heads of a row together", "[decode]") {
   // With AVX-512 the step reads 2 or 4 consecutive kv heads of a row at once
-  // when each has one or two query rows of width 64 (or one of 128): plain
+  // (at most 512 bytes of it: two heads of 64 floats, four of a 16-bit
+  // cache) when each has one or two query rows of width 64 (or one of 128): plain
   // GQA with 1 or 2 query heads per kv head, V2, and V1 (its two key heads
   // per pair, across pairs when a pair has one DIFF head, within a pair when
   // it has two). 3 and 5 kv heads (V1: 6 and 10 key heads) leave heads over

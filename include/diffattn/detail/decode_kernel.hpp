@@ -362,25 +362,35 @@ EIGEN_ALWAYS_INLINE void axpy_keys(const S* const* vrows, const S* const* pre, i
 
 /// How many consecutive kv heads of a row the step reads together: G key
 /// heads (partial_dots_gn) whose R = `rows` query rows each keep DP =
-/// `packets` packets of queries in registers (G R DP = 16), or G value heads
+/// `packets` packets of queries in registers (G R DP <= 16), or G value heads
 /// (axpy_keys_gn, `packets` = 4 per pass) whose R output rows each keep 4
-/// packets (G R 4 = 16); 1 where one head at a time is read. Float with
-/// AVX-512 only, where it was measured.
+/// packets (G R 4 <= 16), and no more than 512 bytes of the row per pass
+/// (`head_bytes`: what one head contributes to a pass); 1 where one head at
+/// a time is read. Float arithmetic with AVX-512 only, where it was measured.
 ///
-/// Together, a row's heads are read 512 bytes to 1 KiB at a time instead of
-/// 256, and share the row's pointer, prefetch test and loop. On Zen 5 (2
-/// threads, variants compiled side by side in one process) against one head
-/// at a time: from memory (M = 32k) V1 1.18x, V2 1.06x, GQA 8q 1.07x, GQA 16q
-/// 1.04x; with K/V in L3 (M = 4k) 1.19x, 1.04x, 1.19x, 1.02x.
+/// Together, a row's heads are read 512 bytes at a time instead of 256, and
+/// share the row's pointer, prefetch test and loop. On Zen 5 (2 threads,
+/// variants compiled side by side in one process) against one head at a
+/// time: from memory (M = 32k) V1 1.18x, V2 1.06x, GQA 8q 1.07x, GQA 16q
+/// 1.04x; with K/V in L3 (M = 4k) 1.19x, 1.04x, 1.19x, 1.02x (V1 and GQA 8q
+/// then read four heads, 1 KiB, at a time). The 512-byte cap: the step's
+/// read order alone (bench_decode's BM_DecodeReadOrder_*, no arithmetic, 2
+/// threads) reads 0.82-0.87 of address order's rate in passes of 512 bytes
+/// of every row and 0.75-0.76 in passes of 1 KiB, and GQA 8q's step ran
+/// 1.03-1.09x as fast at M = 32k (1.10-1.16x at 128k, 1.09-1.10x on one
+/// thread) with two heads of 64 floats per pass instead of four; V1's
+/// 0.92-1.11x (median 1.01) and MQA's 0.97-1.04x.
 template <class C>
-index_t heads_together(index_t rows, index_t packets) {
+index_t heads_together(index_t rows, index_t packets, index_t head_bytes) {
   if (TileConfig<C>::kPacket != 16) return 1;
-  if (packets == 4) return rows == 1 ? 4 : rows == 2 ? 2 : 1;
-  if (packets == 8) return rows == 1 ? 2 : 1;
-  return 1;
+  index_t g = 1;
+  if (packets == 4) g = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+  if (packets == 8) g = rows == 1 ? 2 : 1;
+  while (g > 1 && g * head_bytes > 512) g /= 2;
+  return g;
 }
 
-/// partial_dots_gn with G = heads_together(R, dp / P).
+/// partial_dots_gn with G = heads_together(R, dp / P, ..).
 template <class C, class S>
 EIGEN_ALWAYS_INLINE void partial_dots_heads(index_t G, index_t R, const S* const* krows,
                                             const S* const* pre, index_t off, index_t kstep,
@@ -393,12 +403,13 @@ EIGEN_ALWAYS_INLINE void partial_dots_heads(index_t G, index_t R, const S* const
     };
     if (dp == 64 && G == 4 && R == 1) return args(partial_dots_gn<4, 1, 4, C, S>);
     if (dp == 64 && G == 2 && R == 2) return args(partial_dots_gn<2, 2, 4, C, S>);
+    if (dp == 64 && G == 2 && R == 1) return args(partial_dots_gn<2, 1, 4, C, S>);
     if (dp == 128 && G == 2 && R == 1) return args(partial_dots_gn<2, 1, 8, C, S>);
   }
   eigen_assert(false && "partial_dots_heads: no kernel for these heads");
 }
 
-/// axpy_keys_gn with G = heads_together(R, 4).
+/// axpy_keys_gn with G = heads_together(R, 4, ..).
 template <class C, class S>
 EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* vrows,
                                          const S* const* pre, index_t off, index_t vstep, index_t U,
@@ -410,6 +421,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
     };
     if (G == 4 && R == 1) return args(axpy_keys_gn<4, 1, 4, C, S>);
     if (G == 2 && R == 2) return args(axpy_keys_gn<2, 2, 4, C, S>);
+    if (G == 2 && R == 1) return args(axpy_keys_gn<2, 1, 4, C, S>);
   }
   eigen_assert(false && "axpy_keys_heads: no kernel for these heads");
 }
@@ -534,7 +546,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   // spaced, hstep rows apart (one key head per kv group; V1's two key heads
   // per pair, across pairs when a pair reads one DIFF head).
   const index_t nkh = dl.groups * kh, hstep = kh == 1 ? dl.per_group * n : n;
-  index_t kg = dp == d ? heads_together<C>(lanes_per_slot, dp / P) : 1;
+  const index_t kv_bytes = static_cast<index_t>(sizeof(KV));
+  index_t kg = dp == d ? heads_together<C>(lanes_per_slot, dp / P, dp * kv_bytes) : 1;
   if (kh > 1 && dl.per_group != kh && kg > kh) kg = 1;
   const KV* rows[P];  // the key (then value) rows of a block of keys
   const KV* pre[P];   // and those to prefetch
@@ -602,7 +615,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   // it does not see into a NaN output).
   std::fill(o, o + R * dv, C(0));
   // Value heads read together: G consecutive kv groups, per_group n rows apart.
-  const index_t vg = dv % (4 * P) == 0 ? heads_together<C>(dl.per_group, 4) : 1;
+  const index_t vg = dv % (4 * P) == 0 ? heads_together<C>(dl.per_group, 4, 4 * P * kv_bytes) : 1;
   const index_t vahead = decode_ahead_rows(vrow_bytes);
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
