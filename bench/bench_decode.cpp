@@ -323,15 +323,20 @@ void decode_thread_scaling(benchmark::State& state, const Layer& L) {
 /// arithmetic, and pattern_read in address order. `of_pattern` is the step's
 /// rate over the pattern's (what its arithmetic costs), `pattern_of_order`
 /// the pattern's over address order's (what the order costs), `of_order`
-/// the step's over address order's. pass_bytes: the bytes of a row a step
-/// reads per pass (heads_together: two heads of 64 floats for V2 and the
-/// 8-query baseline).
-void decode_read_order(benchmark::State& state, const Layer& L, index_t pass_bytes) {
+/// the step's over address order's. The pattern's passes are as wide as the
+/// step's key passes (heads_together for the layer's query rows per kv
+/// head: with AVX-512, two heads of 64 floats for V2 and the 8-query
+/// baseline); its blocks are a packet's rows, as the step's.
+void decode_read_order(benchmark::State& state, const Layer& L) {
+  using diffattn::detail::TileConfig;
   const index_t M = 32768;
   const int threads = static_cast<int>(state.range(0));
   DecodeRig rig(L, M, 1, threads, false);
   const index_t row = L.kh * L.d, rows = 2 * M;  // K rows, then V rows (L.vh * L.dv = row)
-  const index_t pass = pass_bytes / static_cast<index_t>(sizeof(float));
+  const index_t rows_per_head = L.qh / L.kh;     // V2's qh counts both maps' query heads
+  const index_t pass =
+      L.d * diffattn::detail::heads_together<float>(rows_per_head, L.d / TileConfig<float>::kPacket,
+                                                    L.d * static_cast<index_t>(sizeof(float)));
   std::vector<Tensor<float, 1>> copies;
   for (std::size_t c = 0; c < cold_copies(rig.kv_bytes) + 1; ++c) {
     copies.emplace_back(std::array<index_t, 1>{rows * row});
@@ -384,10 +389,10 @@ void BM_DecodeThreads_MQA(benchmark::State& s) {
   decode_thread_scaling(s, {Kind::plain, 8, 1, 1, 128, 128});
 }
 void BM_DecodeReadOrder_V2(benchmark::State& s) {
-  decode_read_order(s, {Kind::v2, 16, 8, 8, 64, 64}, 512);
+  decode_read_order(s, {Kind::v2, 16, 8, 8, 64, 64});
 }
 void BM_DecodeReadOrder_Plain8(benchmark::State& s) {
-  decode_read_order(s, {Kind::plain, 8, 8, 8, 64, 64}, 512);
+  decode_read_order(s, {Kind::plain, 8, 8, 8, 64, 64});
 }
 void BM_DecodeWarm_V2(benchmark::State& s) { BM_Decode_V2(s); }
 void BM_DecodeWarm_Plain8(benchmark::State& s) { BM_Decode_Plain8(s); }
