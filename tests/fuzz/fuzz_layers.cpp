@@ -72,6 +72,34 @@ Tensor<float, 3> joined(const Tensor<float, 3>& x, const Tensor<float, 3>& more)
   return t;
 }
 
+/// One fuzzed call: clear(), or forward on n new tokens x (B, n, E), now and
+/// then of the wrong batch or width. x holds multiples of 1/64 in [-2, 2),
+/// exact in bfloat16 and half, so a 16-bit layer and its float twin see the
+/// same tokens.
+struct Call {
+  bool clear = false;
+  index_t n = 0;
+  bool bad_shape = false;
+  Tensor<float, 3> x;
+  /// Whether a layer must run it on a cache holding `size` of `capacity`.
+  bool valid(index_t size, index_t capacity) const { return !bad_shape && n <= capacity - size; }
+};
+Call next_call(Input& in, index_t batch, index_t E) {
+  Call c;
+  const std::uint8_t code = in.u8();
+  if (code % 8 == 7) {
+    c.clear = true;
+    return c;
+  }
+  c.n = code % 10;
+  const bool bad_width = code / 8 % 16 == 5, bad_batch = code / 8 % 16 == 9;
+  c.bad_shape = bad_width || bad_batch;
+  c.x = Tensor<float, 3>({bad_batch ? batch + 1 : batch, c.n, bad_width ? E + 1 : E});
+  for (index_t i = 0; i < c.x.size(); ++i)
+    c.x.data()[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 64.0f;
+  return c;
+}
+
 template <class Layer, class S>
 void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
   constexpr bool narrow = !std::is_same<S, float>::value;
@@ -88,30 +116,26 @@ void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
   auto twin = layer.template make_cache<S>(batch, capacity);  // one token at a time
   Tensor<float, 3> seen({batch, 0, E});                       // tokens since clear()
   for (int op = 0; op < 16 && in.n; ++op) {
-    const std::uint8_t code = in.u8();
-    if (code % 8 == 7) {
+    const Call c = next_call(in, batch, E);
+    if (c.clear) {
       cache.clear();
       twin.clear();
       seen = Tensor<float, 3>({batch, 0, E});
       continue;
     }
-    const index_t n = code % 10;
-    const bool bad_width = code / 8 % 16 == 5, bad_batch = code / 8 % 16 == 9;
-    const index_t xb = bad_batch ? batch + 1 : batch, xe = bad_width ? E + 1 : E;
-    Tensor<float, 3> x({xb, n, xe});
-    for (index_t i = 0; i < x.size(); ++i)
-      x.data()[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 64.0f;
+    const Tensor<float, 3>& x = c.x;
+    const index_t n = c.n;
     const index_t size = cache.size(), stored = cache.stored();
-    const bool fits = n <= capacity - size;
+    const bool valid = c.valid(size, capacity);
     Tensor<float, 3> y;
     try {
       y = layer.forward(x, cache);
     } catch (const diffattn::error&) {
       if (cache.size() != size || cache.stored() != stored) __builtin_trap();
-      if (fits && !bad_width && !bad_batch) __builtin_trap();  // refused what fits
+      if (valid) __builtin_trap();  // refused what fits
       continue;
     }
-    if (!fits || bad_width || bad_batch) __builtin_trap();  // accepted what does not
+    if (!valid) __builtin_trap();  // accepted what does not
     if (cache.size() != size + n || y.shape(1) != n || y.shape(0) != batch) __builtin_trap();
     if (cache.stored() > cache.size()) __builtin_trap();
     const index_t a = seen.shape(1);
@@ -142,25 +166,18 @@ void drive_narrow(Layer<T>& layer, Layer<float>& twin, Input& in, index_t batch,
   auto cache = layer.template make_cache<S>(batch, capacity);
   auto cache_f = twin.template make_cache<S>(batch, capacity);
   for (int op = 0; op < 16 && in.n; ++op) {
-    const std::uint8_t code = in.u8();
-    if (code % 8 == 7) {
+    const Call c = next_call(in, batch, E);
+    if (c.clear) {
       cache.clear();
       cache_f.clear();
       continue;
     }
-    const index_t n = code % 10;
-    const bool bad_width = code / 8 % 16 == 5, bad_batch = code / 8 % 16 == 9;
-    const index_t xb = bad_batch ? batch + 1 : batch, xe = bad_width ? E + 1 : E;
-    // Multiples of 1/64 in [-2, 2): exact in bfloat16 and half, so both
-    // layers see the same x.
-    Tensor<float, 3> x({xb, n, xe});
-    Tensor<T, 3> xt({xb, n, xe});
-    for (index_t i = 0; i < x.size(); ++i) {
-      x.data()[i] = static_cast<float>(static_cast<int>(in.u8()) - 128) / 64.0f;
-      xt.data()[i] = static_cast<T>(x.data()[i]);
-    }
+    const Tensor<float, 3>& x = c.x;
+    const index_t n = c.n;
+    Tensor<T, 3> xt(x.shape());
+    for (index_t i = 0; i < x.size(); ++i) xt.data()[i] = static_cast<T>(x.data()[i]);
     const index_t size = cache.size(), stored = cache.stored();
-    const bool valid = n <= capacity - size && !bad_width && !bad_batch;
+    const bool valid = c.valid(size, capacity);
     Tensor<T, 3> y;
     try {
       y = layer.forward(xt, cache);
