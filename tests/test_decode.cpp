@@ -340,6 +340,56 @@ TEST_CASE("decoding reads several kv heads of a row together", "[decode]") {
         }
 }
 
+TEST_CASE("the kernels of several kv heads at once work for any number of heads", "[decode]") {
+  // partial_dots_heads / axpy_keys_heads have kernels for the (G heads, R
+  // rows) that heads_together asks for; any other G, R (and every G without
+  // AVX-512) goes one head at a time. Both are checked here against float64
+  // sums, G heads of 64 features in rows of G + 1 heads, R query rows each.
+  using C = float;
+  constexpr index_t P = diffattn::detail::TileConfig<C>::kPacket;
+  const index_t D = 64, U = P > 1 ? P - 1 : 1;
+  std::uint64_t seed = 33100;
+  for (index_t G = 1; G <= 4; ++G)
+    for (index_t R = 1; R <= 3; ++R) {
+      const index_t row = (G + 1) * D;  // one key (or value) row: G + 1 heads
+      const Tensor<C, 2> K = random_tensor<C, 2>({U, row}, ++seed);
+      const Tensor<C, 2> Q = random_tensor<C, 2>({G * R, D}, ++seed);
+      const Tensor<C, 2> W = random_tensor<C, 2>({G * R, P}, ++seed);
+      const C* rows[P];
+      for (index_t u = 0; u < U; ++u) rows[u] = &K(u, 0) + D;  // from the second head on
+      // Products: head gi, row i, key u at part + (gi R + i) P P + u P.
+      std::vector<C> part(static_cast<std::size_t>(G * R * P * P), C(0));
+      diffattn::detail::partial_dots_heads<C, C>(G, R, rows, nullptr, 0, D, U, D, Q.data(), D,
+                                                 R * D, part.data(), P * P, R * P * P);
+      // Sums: o row (gi, i) += sum over u of W(gi R + i, u) V(u, head gi + 1).
+      Tensor<C, 2> O = random_tensor<C, 2>({G * R, D}, ++seed);
+      const Tensor<C, 2> O0 = cast<C>(O);
+      diffattn::detail::axpy_keys_heads<C, C>(G, R, rows, nullptr, 0, D, U, D, O.data(), D, R * D,
+                                              W.data(), P, R * P);
+      for (index_t gi = 0; gi < G; ++gi)
+        for (index_t i = 0; i < R; ++i) {
+          const index_t r = gi * R + i;
+          for (index_t u = 0; u < U; ++u) {
+            double want = 0, got = 0, mag = 0;
+            for (index_t t = 0; t < D; ++t) {
+              want += double(Q(r, t)) * K(u, (gi + 1) * D + t);
+              mag += std::abs(double(Q(r, t)) * K(u, (gi + 1) * D + t));
+            }
+            for (index_t l = 0; l < P; ++l) got += part[static_cast<std::size_t>((r * P + u) * P + l)];
+            CHECK(std::abs(got - want) <= 1e-5 * mag);
+          }
+          for (index_t t = 0; t < D; ++t) {
+            double want = O0(r, t), mag = std::abs(want);
+            for (index_t u = 0; u < U; ++u) {
+              want += double(W(r, u)) * K(u, (gi + 1) * D + t);
+              mag += std::abs(double(W(r, u)) * K(u, (gi + 1) * D + t));
+            }
+            CHECK(std::abs(O(r, t) - want) <= 1e-5 * mag);
+          }
+        }
+    }
+}
+
 TEST_CASE("decoding splits long caches into chunks", "[decode]") {
   // Longer than kSplitKeys: the default split runs.
   std::uint64_t seed = 33000;

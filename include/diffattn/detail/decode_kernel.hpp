@@ -406,7 +406,11 @@ EIGEN_ALWAYS_INLINE void partial_dots_heads(index_t G, index_t R, const S* const
     if (dp == 64 && G == 2 && R == 1) return args(partial_dots_gn<2, 1, 4, C, S>);
     if (dp == 128 && G == 2 && R == 1) return args(partial_dots_gn<2, 1, 8, C, S>);
   }
-  eigen_assert(false && "partial_dots_heads: no kernel for these heads");
+  // No kernel for G heads together (heads_together never asks for one): the
+  // same products, one head at a time.
+  for (index_t gi = 0; gi < G; ++gi)
+    partial_dots(krows, pre, off + gi * kstep, U, dp, q + gi * qgstep, qstep, part + gi * pgstep,
+                 pstep, R);
 }
 
 /// axpy_keys_gn with G = heads_together(R, 4, ..).
@@ -423,7 +427,10 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
     if (G == 2 && R == 2) return args(axpy_keys_gn<2, 2, 4, C, S>);
     if (G == 2 && R == 1) return args(axpy_keys_gn<2, 1, 4, C, S>);
   }
-  eigen_assert(false && "axpy_keys_heads: no kernel for these heads");
+  // No kernel for G heads together: the same sums, one head at a time.
+  for (index_t gi = 0; gi < G; ++gi)
+    axpy_keys(vrows, pre, off + gi * vstep, U, dv, o + gi * ogstep, ostep, w + gi * wgstep, wstep,
+              R);
 }
 
 /// How far ahead of the row being read a decoding step asks for the cache's
