@@ -5,8 +5,11 @@
 // order. Every call must run or throw diffattn::error; the sanitizers check
 // that nothing undefined runs. A kernel call that runs is checked three ways:
 // its outputs are finite (the inputs are), the same call without splitting
-// (split_keys past every length) agrees to rounding, and a paged call agrees
-// with the same rows gathered into contiguous caches. A disagreement traps.
+// (split_keys past every length) agrees to rounding, and a contiguous call
+// agrees with the float64 reference on each sequence's keys, a paged one with
+// the same rows gathered into contiguous caches. A disagreement traps. Head
+// widths are 0-4 or, now and then, 16-128, where the decoding step takes its
+// vector paths (this target is built for the machine's instruction set).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -14,6 +17,7 @@
 
 #include <diffattn/kv_cache.hpp>
 #include <diffattn/kvcache_attention.hpp>
+#include <diffattn/reference.hpp>
 
 #include "fuzz_input.hpp"
 
@@ -28,11 +32,23 @@ using fuzz::Input;
 /// A small value in [-4, 4).
 float value(Input& in) { return static_cast<float>(static_cast<int>(in.u8()) - 128) / 32.0f; }
 
+/// A tensor of values from the input, one byte each; or, with `wide` (head
+/// widths of 16 and more), of the same small values drawn by a generator
+/// seeded from one byte, so that a wide problem does not take thousands of
+/// the input's bytes.
 template <std::size_t R>
-Tensor<float, R> filled(Input& in, std::array<index_t, R> shape) {
+Tensor<float, R> filled(Input& in, std::array<index_t, R> shape, bool wide = false) {
   for (auto& s : shape) s = std::max<index_t>(s, 0);
   Tensor<float, R> t(shape);
-  for (index_t i = 0; i < t.size(); ++i) t.data()[i] = value(in);
+  if (!wide) {
+    for (index_t i = 0; i < t.size(); ++i) t.data()[i] = value(in);
+    return t;
+  }
+  std::uint32_t state = 0x9e3779b9u * (1u + in.u8());
+  for (index_t i = 0; i < t.size(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    t.data()[i] = static_cast<float>(static_cast<int>(state >> 24) - 128) / 32.0f;
+  }
   return t;
 }
 
@@ -84,11 +100,56 @@ void check(bool ok) {
   if (!ok) __builtin_trap();
 }
 
+/// Sequence b of a contiguous problem that ran, against the float64 reference
+/// kernel on its keys [0, lens(b)) (the kvcache kernels' contract). The
+/// values are multiples of 1/32 in [-4, 4), so every dot product is exact in
+/// float; the scale's rounding moves a score (at most 4 * 4 * 128 / sqrt(128))
+/// by about 1e-5, each weight by as much relative, and an output by about
+/// 1e-5 (|o_1| + |lambda| |o_2|) <= 2e-4: the bound 1e-3 (1 + |ref|) holds
+/// with room, cancellation between the maps included.
+void check_reference(const Problem& p, index_t b) {
+  const index_t m = p.lens(b);
+  if (m <= 0 || p.out.size() == 0) return;  // an empty cache: zero rows, checked above as finite
+  const index_t n = p.q.shape(1), qh = p.q.shape(2), d = p.q.shape(3);
+  const index_t kh = p.k.shape(2), hv = p.v.shape(2), dv = p.v.shape(3), H = p.out.shape(2);
+  Tensor<double, 4> q({1, n, qh, d}), k({1, m, kh, d}), v({1, m, hv, dv}), out({1, n, H, dv});
+  Tensor<double, 3> lse({1, qh, n}), logit({1, n, H});
+  for (index_t i = 0; i < q.size(); ++i) q.data()[i] = p.q.data()[b * q.size() + i];
+  for (index_t i = 0; i < k.size(); ++i) k.data()[i] = p.k.data()[b * p.k.view().stride(0) + i];
+  for (index_t i = 0; i < v.size(); ++i) v.data()[i] = p.v.data()[b * p.v.view().stride(0) + i];
+  for (index_t i = 0; i < logit.size(); ++i) logit.data()[i] = p.logit.data()[b * logit.size() + i];
+  switch (p.kind) {
+    case kV1:
+      diffattn::reference::diff_attention_v1<double>(q, k, v, p.lambda, out, lse, p.opt);
+      break;
+    case kV2:
+      diffattn::reference::diff_attention_v2<double>(q, k, v, logit, out, lse, p.opt);
+      break;
+    default:
+      diffattn::reference::attention<double>(q, k, v, out, lse, p.opt);
+  }
+  for (index_t i = 0; i < out.size(); ++i) {
+    const double want = out.data()[i], got = p.out.data()[b * out.size() + i];
+    check(std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want)));
+  }
+  for (index_t h = 0; p.lse.size() > 0 && h < qh; ++h)
+    for (index_t i = 0; i < n; ++i) {
+      const double want = lse(0, h, i), got = p.lse(b, h, i);
+      check(want == got || std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want)));
+    }
+}
+
 void fuzz_kernel(Input& in) {
   Problem p;
   p.kind = static_cast<Kind>(in.u8() % 3);
   const index_t B = in.u8() % 4, n = in.u8() % 8;
-  const index_t H = in.u8() % 4, Hkv = in.u8() % 4, d = in.u8() % 5;
+  // Widths 0-4, and now and then the usual ones, whose decoding steps take the
+  // vector paths of the build's instruction set (with AVX-512, several kv
+  // heads of a row read together).
+  const index_t H = in.u8() % 4, Hkv = in.u8() % 4;
+  const std::uint8_t width = in.u8();
+  const index_t d = width >= 224 ? index_t(16) << (width % 4) : width % 5;
+  const bool wide = d >= 16;
   const std::uint8_t mode = in.u8();
   const bool paged = mode & 1, with_lse = mode & 2;
   p.opt.causal = mode & 4;
@@ -108,9 +169,9 @@ void fuzz_kernel(Input& in) {
   const index_t qh = p.kind == kPlain ? H : 2 * H, kh = p.kind == kV1 ? 2 * Hkv : Hkv;
   const index_t dv = p.kind == kV1 ? 2 * d : d;
   const index_t rows = paged ? num_blocks : B, cap = paged ? block_size : capacity;
-  p.q = filled<4>(in, {B, n, qh, d + skew});
-  p.k = filled<4>(in, {rows, cap, kh, d});
-  p.v = filled<4>(in, {rows, cap, Hkv, dv});
+  p.q = filled<4>(in, {B, n, qh, d + skew}, wide);
+  p.k = filled<4>(in, {rows, cap, kh, d}, wide);
+  p.v = filled<4>(in, {rows, cap, Hkv, dv}, wide);
   p.out = Tensor<float, 4>({B, n, H, dv});
   p.logit = filled<3>(in, {B, n, H});
   if (with_lse) p.lse = Tensor<float, 3>({B, qh, n});
@@ -138,7 +199,10 @@ void fuzz_kernel(Input& in) {
   Tensor<float, 3> lse1(p.lse.shape());
   run(p, p.k, p.v, paged, whole, out1, lse1);
   check(agree(out1, p.out) && agree(lse1, p.lse));
-  if (!paged) return;
+  if (!paged) {
+    for (index_t b = 0; b < B; ++b) check_reference(p, b);
+    return;
+  }
   // Paged: the rows each sequence reads, gathered into contiguous caches.
   Tensor<float, 4> kc({B, capacity, kh, d}), vc({B, capacity, Hkv, dv});
   for (index_t b = 0; b < B; ++b)
