@@ -375,7 +375,8 @@ TEST_CASE("the kernels of several kv heads at once work for any number of heads"
               want += double(Q(r, t)) * K(u, (gi + 1) * D + t);
               mag += std::abs(double(Q(r, t)) * K(u, (gi + 1) * D + t));
             }
-            for (index_t l = 0; l < P; ++l) got += part[static_cast<std::size_t>((r * P + u) * P + l)];
+            for (index_t l = 0; l < P; ++l)
+              got += part[static_cast<std::size_t>((r * P + u) * P + l)];
             CHECK(std::abs(got - want) <= 1e-5 * mag);
           }
           for (index_t t = 0; t < D; ++t) {
