@@ -208,13 +208,9 @@ void forward_cases() {
 /// float outputs differ by 1e-5 at most, (2 u + 1e-5 (1 + u)) / (1 - u).
 /// And as for forward, each cached call is bitwise the float twin's with a
 /// cache of the same type, rounded to S.
-template <class S>
-MultiheadDiffAttnV1<float> float_twin(const MultiheadDiffAttnV1<S>& m) {
-  return MultiheadDiffAttnV1<float>(m);
-}
-template <class S>
-MultiheadDiffAttnV2<float> float_twin(const MultiheadDiffAttnV2<S>& m) {
-  return MultiheadDiffAttnV2<float>(m);
+template <template <class> class Layer, class S>
+Layer<float> float_twin(const Layer<S>& m) {
+  return Layer<float>(m);
 }
 
 template <class S, class Layer>

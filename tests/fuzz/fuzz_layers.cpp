@@ -204,6 +204,19 @@ void drive_narrow(Layer<T>& layer, Layer<float>& twin, Input& in, index_t batch,
   }
 }
 
+/// f(S{}) for the cache type of `storage` (0 float, 1 bfloat16, 2 half).
+template <class F>
+void with_storage(int storage, F&& f) {
+  switch (storage) {
+    case 1:
+      return f(diffattn::bfloat16{});
+    case 2:
+      return f(diffattn::half{});
+    default:
+      return f(float{});
+  }
+}
+
 template <class T, template <class> class Layer>
 void drive_narrow_any(const Layer<float>& trained, Input& in, int storage, index_t batch,
                       index_t capacity) {
@@ -211,14 +224,8 @@ void drive_narrow_any(const Layer<float>& trained, Input& in, int storage, index
   Layer<float> twin(layer);
   layer.set_num_threads(1);
   twin.set_num_threads(1);
-  switch (storage) {
-    case 1:
-      return drive_narrow<T, diffattn::bfloat16>(layer, twin, in, batch, capacity);
-    case 2:
-      return drive_narrow<T, diffattn::half>(layer, twin, in, batch, capacity);
-    default:
-      return drive_narrow<T, float>(layer, twin, in, batch, capacity);
-  }
+  with_storage(storage,
+               [&](auto s) { drive_narrow<T, decltype(s)>(layer, twin, in, batch, capacity); });
 }
 
 /// The layer of `layer_type` (0 float, 1 bfloat16, 2 half) made from a float
@@ -229,14 +236,8 @@ void drive_any(Layer<float>& layer, Input& in, int layer_type, int storage, inde
   if (layer_type == 1)
     return drive_narrow_any<diffattn::bfloat16>(layer, in, storage, batch, capacity);
   if (layer_type == 2) return drive_narrow_any<diffattn::half>(layer, in, storage, batch, capacity);
-  switch (storage) {
-    case 1:
-      return drive<Layer<float>, diffattn::bfloat16>(layer, in, batch, capacity);
-    case 2:
-      return drive<Layer<float>, diffattn::half>(layer, in, batch, capacity);
-    default:
-      return drive<Layer<float>, float>(layer, in, batch, capacity);
-  }
+  with_storage(storage,
+               [&](auto s) { drive<Layer<float>, decltype(s)>(layer, in, batch, capacity); });
 }
 
 }  // namespace
