@@ -7,7 +7,8 @@
 // its outputs are finite (the inputs are), the same call without splitting
 // (split_keys past every length) agrees to rounding, and a contiguous call
 // agrees with the float64 reference on each sequence's keys, a paged one with
-// the same rows gathered into contiguous caches. A disagreement traps. Head
+// the same rows gathered into contiguous caches, which agree with the
+// reference in turn. A disagreement traps. Head
 // widths are 0-4 or, now and then, 16-128, where the decoding step takes its
 // vector paths (this target is built for the machine's instruction set).
 #include <algorithm>
@@ -100,23 +101,25 @@ void check(bool ok) {
   if (!ok) __builtin_trap();
 }
 
-/// Sequence b of a contiguous problem that ran, against the float64 reference
-/// kernel on its keys [0, lens(b)) (the kvcache kernels' contract). The
+/// Sequence b of a call that ran on contiguous caches k, v (the problem's, or a
+/// paged problem's rows gathered) with outputs out, lse, against the float64
+/// reference kernel on its keys [0, lens(b)) (the kvcache kernels' contract). The
 /// values are multiples of 1/32 in [-4, 4), so every dot product is exact in
 /// float; the scale's rounding moves a score (at most 4 * 4 * 128 / sqrt(128))
 /// by about 1e-5, each weight by as much relative, and an output by about
 /// 1e-5 (|o_1| + |lambda| |o_2|) <= 2e-4: the bound 1e-3 (1 + |ref|) holds
 /// with room, cancellation between the maps included.
-void check_reference(const Problem& p, index_t b) {
+void check_reference(const Problem& p, const Tensor<float, 4>& pk, const Tensor<float, 4>& pv,
+                     const Tensor<float, 4>& pout, const Tensor<float, 3>& plse, index_t b) {
   const index_t m = p.lens(b);
-  if (m <= 0 || p.out.size() == 0) return;  // an empty cache: zero rows, checked above as finite
+  if (m <= 0 || pout.size() == 0) return;  // an empty cache: zero rows, checked above as finite
   const index_t n = p.q.shape(1), qh = p.q.shape(2), d = p.q.shape(3);
-  const index_t kh = p.k.shape(2), hv = p.v.shape(2), dv = p.v.shape(3), H = p.out.shape(2);
+  const index_t kh = pk.shape(2), hv = pv.shape(2), dv = pv.shape(3), H = pout.shape(2);
   Tensor<double, 4> q({1, n, qh, d}), k({1, m, kh, d}), v({1, m, hv, dv}), out({1, n, H, dv});
   Tensor<double, 3> lse({1, qh, n}), logit({1, n, H});
   for (index_t i = 0; i < q.size(); ++i) q.data()[i] = p.q.data()[b * q.size() + i];
-  for (index_t i = 0; i < k.size(); ++i) k.data()[i] = p.k.data()[b * p.k.view().stride(0) + i];
-  for (index_t i = 0; i < v.size(); ++i) v.data()[i] = p.v.data()[b * p.v.view().stride(0) + i];
+  for (index_t i = 0; i < k.size(); ++i) k.data()[i] = pk.data()[b * pk.view().stride(0) + i];
+  for (index_t i = 0; i < v.size(); ++i) v.data()[i] = pv.data()[b * pv.view().stride(0) + i];
   for (index_t i = 0; i < logit.size(); ++i) logit.data()[i] = p.logit.data()[b * logit.size() + i];
   switch (p.kind) {
     case kV1:
@@ -129,12 +132,12 @@ void check_reference(const Problem& p, index_t b) {
       diffattn::reference::attention<double>(q, k, v, out, lse, p.opt);
   }
   for (index_t i = 0; i < out.size(); ++i) {
-    const double want = out.data()[i], got = p.out.data()[b * out.size() + i];
+    const double want = out.data()[i], got = pout.data()[b * out.size() + i];
     check(std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want)));
   }
-  for (index_t h = 0; p.lse.size() > 0 && h < qh; ++h)
+  for (index_t h = 0; plse.size() > 0 && h < qh; ++h)
     for (index_t i = 0; i < n; ++i) {
-      const double want = lse(0, h, i), got = p.lse(b, h, i);
+      const double want = lse(0, h, i), got = plse(b, h, i);
       check(want == got || std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want)));
     }
 }
@@ -200,7 +203,7 @@ void fuzz_kernel(Input& in) {
   run(p, p.k, p.v, paged, whole, out1, lse1);
   check(agree(out1, p.out) && agree(lse1, p.lse));
   if (!paged) {
-    for (index_t b = 0; b < B; ++b) check_reference(p, b);
+    for (index_t b = 0; b < B; ++b) check_reference(p, p.k, p.v, p.out, p.lse, b);
     return;
   }
   // Paged: the rows each sequence reads, gathered into contiguous caches.
@@ -217,6 +220,7 @@ void fuzz_kernel(Input& in) {
   Tensor<float, 3> lse2(p.lse.shape());
   run(p, kc, vc, false, split, out2, lse2);
   check(agree(out2, p.out) && agree(lse2, p.lse));
+  for (index_t b = 0; b < B; ++b) check_reference(p, kc, vc, out2, lse2, b);
 }
 
 /// A layer cache driven by fuzzed row-level calls; a refused call changes
