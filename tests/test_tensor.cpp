@@ -101,3 +101,25 @@ TEST_CASE("Tensor: zero-initialised, aligned, deep copies", "[tensor]") {
   CHECK(empty.empty());
   CHECK(empty.view().size() == 0);
 }
+
+TEST_CASE("Tensor: buffers of 1 MiB and more start on a page, through copies and moves", "[tensor]") {
+  const auto offset = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a; };
+  // Just below the threshold: 64-byte aligned; at and above it: page aligned,
+  // several times over, so that a 64-byte aligned allocation cannot pass by chance.
+  for (int rep = 0; rep < 8; ++rep) {
+    Tensor<float, 2> small({1023, 256});  // 1 MiB - 1 KiB
+    CHECK(offset(small.data(), 64) == 0);
+    Tensor<float, 2> big({1024, 256 + rep});  // 1 MiB and more
+    REQUIRE(offset(big.data(), 4096) == 0);
+    big(1023, 255) = 1.5f;
+    Tensor<float, 2> copy = big;
+    CHECK(offset(copy.data(), 4096) == 0);
+    CHECK(copy(1023, 255) == 1.5f);
+    Tensor<float, 2> moved = std::move(copy);
+    moved = Tensor<float, 2>({2048, 512});  // frees the page-aligned buffer it held
+    CHECK(offset(moved.data(), 4096) == 0);
+    moved = Tensor<float, 2>({2, 2});  // and a small one after a big one
+    CHECK(offset(moved.data(), 64) == 0);
+  }
+  CHECK(Tensor<float, 1>::page_aligned_bytes == std::size_t(1) << 20);
+}

@@ -178,24 +178,31 @@ class TensorView {
   shape_type strides_;
 };
 
-/// Owning, contiguous (row-major), 64-byte aligned, zero-initialised tensor.
-/// Copies are deep; moves are cheap.
+/// Owning, contiguous (row-major), 64-byte aligned, zero-initialised tensor;
+/// a buffer of 1 MiB or more (a KV cache, say) starts on a 4 KiB page, so that
+/// its rows of a power-of-two size up to 4 KiB start on a multiple of their
+/// size. Copies are deep; moves are cheap.
 template <class T, std::size_t R>
 class Tensor {
   static_assert(std::is_trivially_copyable<T>::value, "Tensor holds trivially copyable scalars");
 
  public:
   using shape_type = std::array<index_t, R>;
+  /// Alignment of every buffer; of a buffer of page_aligned_bytes or more, page_alignment.
   static constexpr std::size_t alignment = 64;
+  static constexpr std::size_t page_alignment = 4096;
+  static constexpr std::size_t page_aligned_bytes = std::size_t(1) << 20;
 
   Tensor() noexcept : shape_{} {}
 
   explicit Tensor(const shape_type& shape)
       : shape_(shape), size_(detail::checked_size("Tensor", shape, sizeof(T))) {
     if (size_ > 0) {
-      data_.reset(static_cast<T*>(::operator new(static_cast<std::size_t>(size_) * sizeof(T),
-                                                 std::align_val_t(alignment))));
-      std::memset(static_cast<void*>(data_.get()), 0, static_cast<std::size_t>(size_) * sizeof(T));
+      const std::size_t bytes = static_cast<std::size_t>(size_) * sizeof(T);
+      const std::size_t align = bytes >= page_aligned_bytes ? page_alignment : alignment;
+      data_ = std::unique_ptr<T, AlignedDelete>(
+          static_cast<T*>(::operator new(bytes, std::align_val_t(align))), AlignedDelete{align});
+      std::memset(static_cast<void*>(data_.get()), 0, bytes);
     }
   }
 
@@ -254,7 +261,8 @@ class Tensor {
 
  private:
   struct AlignedDelete {
-    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t(alignment)); }
+    std::size_t align = alignment;
+    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t(align)); }
   };
 
   template <class U>
