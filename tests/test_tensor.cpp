@@ -102,8 +102,11 @@ TEST_CASE("Tensor: zero-initialised, aligned, deep copies", "[tensor]") {
   CHECK(empty.view().size() == 0);
 }
 
-TEST_CASE("Tensor: buffers of 1 MiB and more start on a page, through copies and moves", "[tensor]") {
-  const auto offset = [](const void* p, std::size_t a) { return reinterpret_cast<std::uintptr_t>(p) % a; };
+TEST_CASE("Tensor: buffers of 1 MiB and more start on a page, through copies and moves",
+          "[tensor]") {
+  const auto offset = [](const void* p, std::size_t a) {
+    return reinterpret_cast<std::uintptr_t>(p) % a;
+  };
   // Just below the threshold: 64-byte aligned; at and above it: page aligned,
   // several times over, so that a 64-byte aligned allocation cannot pass by chance.
   for (int rep = 0; rep < 8; ++rep) {
