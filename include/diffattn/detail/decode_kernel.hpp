@@ -483,7 +483,7 @@ EIGEN_ALWAYS_INLINE void axpy_keys_heads(index_t G, index_t R, const S* const* v
 /// prefetched into L2 32-64 rows ahead (0.77-0.83x); the key pass on 256-bit
 /// packets gained for one or two query rows of 64 per kv head (V2 0.99-1.12x,
 /// GQA 8q 1.03-1.09x) and lost elsewhere (V1 0.75x, MQA 0.83-0.85x, in L2
-/// or L3 0.83-0.87x): see the README's table.
+/// or L3 0.83-0.87x): see bench/DECODE.md.
 constexpr index_t kDecodeAheadBytes = index_t(16) << 10;
 
 /// How much of a chunk's value rows a decoding step asks for (T1 hint) while
