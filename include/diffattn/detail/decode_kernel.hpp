@@ -45,9 +45,9 @@ namespace detail {
 /// registers for every key (partial_dots_gn<2, 2, 4>: 7 vmovq and a stack
 /// reload among 52 instructions per key, 46 now). On Zen 5, both builds in
 /// one process and each in turn second: V2 and GQA 16 q 1.04-1.06x as fast
-/// with the rows in L2, 1.02-1.05x in L3, GQA 8 q, V1 and MQA 1.00-1.05x;
-/// from memory 1.00-1.02x. In the AVX2 build the same made GQA 8 q and V1
-/// 0.94-0.98x as fast, so there p is left to the compiler.
+/// with the rows in L2 and 1.00-1.05x in L3, GQA 8 q, V1 and MQA 0.98-1.05x;
+/// from memory (V2, GQA 8 q, MQA) 0.99-1.04x. In the AVX2 build the same
+/// made GQA 8 q and V1 0.94-0.98x as fast, so there p is left to the compiler.
 template <class T>
 EIGEN_ALWAYS_INLINE const T* in_register(const T* p) {
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__AVX512F__)
