@@ -7,8 +7,9 @@ checks the decoding targets against it.
         --benchmark_out=decode.json --benchmark_out_format=json
     python3 bench/decode_table.py decode.json [more runs.json ...]
 
-With several files (runs of the same binary), the tables show the first run
-and the targets every run's figure, with how many runs meet each. Every
+With several files (runs of the same binary), the tables show the first
+run, and the targets table gives each target's figure in every run and how
+many runs meet it. Every
 figure is a ratio measured within one benchmark (step against the probe read
 between its steps, layer against the baseline alternated step by step, two
 threads against one), so that a shared host's drift between benchmarks does

@@ -542,6 +542,34 @@ TEST_CASE("bad input and bad configurations throw diffattn::error", "[module]") 
         m2.forward(Tensor<double, 3>({1, 3, 16}));
       },
       {"MultiheadDiffAttnV2::forward: x has shape (1, 3, 16), expected (B, N, 32)"});
+
+  // The members both layers share (detail::ModuleBase) name the layer's class.
+  test::require_error([&] { m.set_num_threads(-1); },
+                      {"MultiheadDiffAttnV1::set_num_threads: n must be >= 0, got -1"});
+  test::require_error([&] { m2.set_num_threads(-2); },
+                      {"MultiheadDiffAttnV2::set_num_threads: n must be >= 0, got -2"});
+  test::require_error([&] { m2.attention_maps(Tensor<double, 3>({1, 3, 31})); },
+                      {"MultiheadDiffAttnV2::attention_maps: x has shape (1, 3, 31)"});
+  test::require_error([&] { m.attention_maps(Tensor<float, 3>({1, 3, 32}), -3); },
+                      {"MultiheadDiffAttnV1::attention_maps", "position_offset", "-3"});
+  test::require_error([&] { m2.backward(Tensor<double, 3>({1, 3, 32})); },
+                      {"MultiheadDiffAttnV2::backward: backward called before forward"});
+  m2.forward(Tensor<double, 3>({1, 3, 32}));
+  test::require_error([&] { m2.backward(Tensor<double, 3>({1, 4, 32})); },
+                      {"MultiheadDiffAttnV2::backward: dy has shape (1, 4, 32), expected (1, 3, 32)"});
+  diffattn::PackedSequences two;
+  two.cu_seqlens_q = {0, 2, 5};
+  test::require_error([&] { m.forward(Tensor<float, 3>({1, 4, 32}), two); },
+                      {"MultiheadDiffAttnV1::forward", "cu_seqlens_q"});
+  DiffAttnV2Config bidir = c2;
+  bidir.causal = false;
+  MultiheadDiffAttnV2<double> m3(bidir);
+  test::require_error([&] { m3.make_cache(1, 4); },
+                      {"MultiheadDiffAttnV2::make_cache: a KV cache needs a causal layer"});
+  auto cache = m2.make_cache(1, 2);
+  test::require_error([&] { m2.forward(Tensor<double, 3>({1, 3, 32}), cache); },
+                      {"MultiheadDiffAttnV2::forward", "cannot append 3 tokens", "capacity 2"});
+  REQUIRE(cache.size() == 0);
 }
 
 // ---- safetensors ----------------------------------------------------------------

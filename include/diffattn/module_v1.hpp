@@ -13,6 +13,7 @@
 #include "attention_backward.hpp"
 #include "config.hpp"
 #include "detail/format.hpp"
+#include "detail/module_base.hpp"
 #include "detail/module_common.hpp"
 #include "detail/random.hpp"
 #include "diff_weights.hpp"
@@ -82,29 +83,21 @@ enum class WeightLayout {
 ///   y = ((1 - lambda_init) * RMSNorm_2d(a)) reshaped (B, N, E) Wout^T    (B, N, E)
 ///
 /// lambda_full = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init(depth).
-/// Parameters carry the reference's state_dict names and shapes (nn.Linear
-/// weights are (out_features, in_features)); T is float or double, or
-/// bfloat16 / half for inference (see value_type and compute_type).
+/// backward() differentiates through out_proj, the (1 - lambda_init) scale and
+/// the per-head RMSNorm (input and subln.weight), the kernel (q, k, v and
+/// lambda_full, and from lambda_full into the four lambda vectors), the
+/// inverse rotary rotation and the projections. Parameters carry the
+/// reference's state_dict names and shapes (nn.Linear weights are
+/// (out_features, in_features)); T is float or double, or bfloat16 / half for
+/// inference (see value_type and compute_type in detail::ModuleBase).
 template <class T>
-class MultiheadDiffAttnV1 {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
-                    is_half_storage_v<T>,
-                "MultiheadDiffAttnV1<T>: T is float, double, bfloat16 or half");
+class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T> {
   using C = compute_t<T>;
+  using Base = detail::ModuleBase<MultiheadDiffAttnV1<T>, T>;
+  friend Base;
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
-  /// Storage of the parameters, of x and of y. A bfloat16 or half layer keeps
-  /// its parameters in half the bytes and runs forward only (backward,
-  /// gradients() and zero_grad() do not compile for it).
-  using value_type = T;
-  /// What the layer computes in: T for float and double, float for the 16-bit
-  /// layers. Projections, rotary, lambda, the norm and the kernel's
-  /// accumulators run in it, and the activations between them (q, k, v, the
-  /// attention output) are kept in it, so a 16-bit layer rounds only where a
-  /// bfloat16 engine must: its output y, and keys and values as they enter a
-  /// 16-bit KV cache.
-  using compute_type = C;
   using config_type = DiffAttnV1Config;
 
   /// Builds the layer and initialises it as the reference does, deterministically
@@ -152,61 +145,13 @@ class MultiheadDiffAttnV1 {
     return static_cast<C>(
         lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_).value());
   }
-  /// Threads of the attention kernel and the projections (0: the OpenMP
-  /// default); results are bitwise identical for any count.
-  void set_num_threads(int n) {
-    if (n < 0) detail::fail("MultiheadDiffAttnV1::set_num_threads", "n must be >= 0, got ", n);
-    num_threads_ = n;
-  }
-
-  /// Runs the layer on x (B, N, E) (any strides) and returns y (B, N, E),
-  /// contiguous. Tokens sit at positions position_offset .. position_offset + N - 1
-  /// for the rotary embedding (a block of new tokens after N0 earlier ones uses
-  /// offset N0); keys and values come from x alone. The causal mask, when on,
-  /// lets token i see tokens j <= i. Keeps the projections, the kernel's
-  /// log-sum-exp and the norm statistics (O(B N E), never N x N) for the
-  /// backward pass. Throws diffattn::error when x's last extent is not E or the
-  /// offset is negative.
-  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
-    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
-    check_input(fn, x);
-    if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
-    return run_forward(x, position_offset, nullptr);
-  }
-
-  /// Runs the layer on a packed batch: x (1, T, E) holds seqs.size()
-  /// sequences back to back (token rows [cu_seqlens_q[s], cu_seqlens_q[s + 1])),
-  /// each attending only to itself (causal and window per sequence), its
-  /// rotary positions starting at 0. Equals forward on each sequence alone;
-  /// backward(dy) follows it as it follows forward. cu_seqlens_k must be empty
-  /// or equal to cu_seqlens_q.
-  Tensor<T, 3> forward(TensorView<const T, 3> x, const PackedSequences& seqs) {
-    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
-    check_input(fn, x);
-    detail::module_check_packed(fn, x, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-    return run_forward(x, 0, &seqs);
-  }
-
-  /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
-  /// keys (2Hkv heads of d) after rotary and values (Hkv heads of 2d). With a
-  /// sliding window it keeps at most 2W rows (see KVCache). Throws for a
-  /// non-causal layer: token-by-token decoding equals the whole sequence only
-  /// under the causal mask. S is the cache's storage: T, or bfloat16 / half
-  /// (make_cache<bfloat16>(...)) for a cache of half the bytes, the keys and
-  /// values rounded to S as they are appended (the queries are not), or
-  /// compute_type (a float cache for a 16-bit layer).
-  template <class S = T>
-  KVCache<S> make_cache(index_t batch, index_t capacity) const {
-    static_assert(std::is_same<S, T>::value || std::is_same<S, C>::value || is_half_storage_v<S>,
-                  "MultiheadDiffAttnV1::make_cache: the cache holds T, compute_type, bfloat16 "
-                  "or half");
-    if (!cfg_.causal)
-      detail::fail("MultiheadDiffAttnV1::make_cache",
-                   "a KV cache needs a causal layer (config.causal = true)");
-    return KVCache<S>(batch, capacity, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
-                      cfg_.window_left);
-  }
+  /// forward(x, position_offset) and forward(x, packed), set_num_threads,
+  /// backward, gradients, zero_grad, parameters, num_parameters and
+  /// save_safetensors, make_cache: see detail::ModuleBase. Errors name
+  /// MultiheadDiffAttnV1::<method>. The layer's KV cache holds keys (2Hkv
+  /// heads of d) after rotary and values (Hkv heads of 2d).
+  using Base::forward;
+  using Base::parameter_shapes;
 
   /// Runs the layer on n >= 1 new tokens per sequence, x (B, n, E), after the
   /// cache.size() tokens the cache holds: rotates the new queries and keys at
@@ -221,11 +166,7 @@ class MultiheadDiffAttnV1 {
   /// when appended.
   template <class S>
   Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
-    constexpr const char* fn = "MultiheadDiffAttnV1::forward";
-    check_input(fn, x);
-    if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
-    detail::module_check_cache(fn, cache, x, 2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_,
-                               cfg_.window_left);
+    this->check_cache(x, cache);
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
     saved_ = Saved{};
@@ -254,47 +195,6 @@ class MultiheadDiffAttnV1 {
     return y;
   }
 
-  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides)
-  /// and returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to
-  /// every gradient buffer (see gradients()): through out_proj, the
-  /// (1 - lambda_init) scale and the per-head RMSNorm (input and subln.weight),
-  /// the attention kernel (q, k, v and lambda_full, and from lambda_full into
-  /// the four lambda vectors), the inverse rotary rotation and the projections.
-  /// The forward's state is kept: a second backward after one forward adds the
-  /// same gradients again. Parameters must not change between forward and
-  /// backward. An empty batch or sequence returns an empty dx and adds
-  /// nothing. Throws diffattn::error when no forward ran yet or dy's shape is
-  /// not the forward output's. Not for a 16-bit layer (a compile-time error):
-  /// train in float and convert.
-  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV1::backward: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    if constexpr (kTrainable)
-      return run_backward(dy);
-    else
-      return {};
-  }
-
-  /// The accumulated gradient of every parameter, keyed and flattened exactly
-  /// as parameters() (same names, sizes and order), so an optimizer pairs them
-  /// by name. The views write through; zero_grad() clears them. Float and
-  /// double layers only.
-  std::map<std::string, TensorView<T, 1>> gradients() {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV1::gradients: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    return grads_.views();
-  }
-  /// Sets every gradient to zero (backward adds to them). Float and double
-  /// layers only.
-  void zero_grad() {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV1::zero_grad: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    grads_.zero();
-  }
-
   /// The differential attention maps of x (B, N, E), materialised for analysis:
   /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
   /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
@@ -302,12 +202,10 @@ class MultiheadDiffAttnV1 {
   /// memory; leaves the state kept for backward untouched. Same arguments and
   /// errors as forward. In compute_type (float for a 16-bit layer).
   Tensor<C, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
-    constexpr const char* fn = "MultiheadDiffAttnV1::attention_maps";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    if (x.shape(2) != e)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    const index_t h = cfg_.num_heads;
+    this->check_input("attention_maps", x);
     if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+      this->fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
     const index_t b = x.shape(0), n = x.shape(1);
     Tensor<C, 4> q, k, v;
     project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
@@ -325,30 +223,18 @@ class MultiheadDiffAttnV1 {
     return w;
   }
 
-  /// Every parameter by its reference state_dict name, flattened row-major as
-  /// PyTorch stores it: q_proj.weight (2H d, E), k_proj.weight and v_proj.weight
-  /// (2Hkv d, E), out_proj.weight (E, 2H d), lambda_q1, lambda_k1, lambda_q2,
-  /// lambda_k2 (d), and subln.weight (2d) only when norm_affine. The views
-  /// write through to the layer.
-  std::map<std::string, TensorView<T, 1>> parameters() {
-    std::map<std::string, TensorView<T, 1>> out;
-    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
-    return out;
-  }
-  /// The PyTorch shape of every parameter, keyed as parameters().
-  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
-    return parameter_shapes(cfg_);
-  }
   /// The parameter shapes a layer with `config` would have, without building it
-  /// (for sizing a large model). Throws for a bad configuration.
+  /// (for sizing a large model), keyed by the reference's state_dict names as
+  /// parameters() and gradients() are: q_proj.weight (2H d, E), k_proj.weight
+  /// and v_proj.weight (2Hkv d, E), out_proj.weight (E, 2H d), lambda_q1,
+  /// lambda_k1, lambda_q2, lambda_k2 (d), and subln.weight (2d) only when
+  /// norm_affine. Throws for a bad configuration.
   static std::map<std::string, std::vector<index_t>> parameter_shapes(
       const DiffAttnV1Config& config) {
     std::map<std::string, std::vector<index_t>> out;
     for (auto& p : param_list(checked(config), nullptr)) out[p.name] = p.shape;
     return out;
   }
-  /// Total number of parameters.
-  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
 
   /// Loads every parameter from the tensors prefix + name of a safetensors file
   /// (F32, F64, F16 or BF16, converted to T: a 16-bit layer takes BF16 or F16
@@ -373,21 +259,21 @@ class MultiheadDiffAttnV1 {
                            src);
   }
 
-  /// Writes every parameter as prefix + name in T's dtype (F32, F64, BF16 or
-  /// F16, bit for bit), in the native layout, with metadata {"format": "pt"}:
-  /// the file loads with safetensors.torch.load_file into the reference
-  /// module's state_dict.
-  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
-    detail::module_save<T>(path, prefix, param_list());
-  }
-
  private:
   template <class>
   friend class MultiheadDiffAttnV1;
+  static constexpr const char* kName = "MultiheadDiffAttnV1";
+  // Key and value heads per token of the layer's KV cache.
+  detail::ModuleCacheHeads cache_heads() const noexcept {
+    return {2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_};
+  }
+  using Base::grads_;
+  using Base::num_threads_;
 
   // The uninitialised parameters of a layer with `config`.
   MultiheadDiffAttnV1(const DiffAttnV1Config& config, detail::ModuleNoInit)
-      : cfg_(checked(config)),
+      : Base(parameter_shapes(config)),
+        cfg_(checked(config)),
         d_(cfg_.head_dim),
         lambda_init_(diffattn::lambda_init(cfg_.depth)),
         q_proj_({q_width(), cfg_.embed_dim}),
@@ -398,15 +284,10 @@ class MultiheadDiffAttnV1 {
         lambda_k1_({d_}),
         lambda_q2_({d_}),
         lambda_k2_({d_}),
-        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
-        grads_(parameter_shapes(cfg_)) {}
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}) {}
 
+  // Backward once ModuleBase::backward has checked dy against the kept state.
   Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
-    constexpr const char* fn = "MultiheadDiffAttnV1::backward";
-    if (!saved_.valid) detail::fail(fn, "backward called before forward");
-    if (dy.shape() != saved_.x.shape())
-      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
-                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
     if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
@@ -481,12 +362,6 @@ class MultiheadDiffAttnV1 {
     PackedSequences seqs;
     bool valid = false;
   };
-
-  void check_input(const char* fn, const TensorView<const T, 3>& x) const {
-    if (x.shape(2) != cfg_.embed_dim)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ",
-                   cfg_.embed_dim, ")");
-  }
 
   // The forward pass; seqs (a packed batch) or position_offset place the
   // tokens for the rotary embedding.
@@ -629,8 +504,6 @@ class MultiheadDiffAttnV1 {
   Tensor<T, 2> out_proj_;                                       // (E, 2H d)
   Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
-  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
-  int num_threads_ = 0;
   Saved saved_;
 };
 

@@ -13,6 +13,7 @@
 #include "attention_backward.hpp"
 #include "config.hpp"
 #include "detail/format.hpp"
+#include "detail/module_base.hpp"
 #include "detail/module_common.hpp"
 #include "detail/random.hpp"
 #include "diff_weights.hpp"
@@ -53,24 +54,20 @@ struct DiffAttnV2Config {
 ///     = attn(q_2h) - sigmoid(lambda_logit_h) attn(q_2h+1), both in kv group h / (H / Hkv)
 ///   y = a reshaped (B, N, H * hd) Wo^T                              (B, N, E)
 ///
-/// No per-head norm. The KV cache per token (2 Hkv hd values) is the baseline's.
+/// No per-head norm. The KV cache per token (2 Hkv hd values) is the
+/// baseline's. backward() differentiates through o_proj, the kernel (q, k, v
+/// and, through the sigmoid, the lambda logits into lambda_proj.weight and x),
+/// the inverse rotary rotation and the projections.
 /// T is float or double, or bfloat16 / half for inference, as for
 /// MultiheadDiffAttnV1.
 template <class T>
-class MultiheadDiffAttnV2 {
-  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
-                    is_half_storage_v<T>,
-                "MultiheadDiffAttnV2<T>: T is float, double, bfloat16 or half");
+class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T> {
   using C = compute_t<T>;
+  using Base = detail::ModuleBase<MultiheadDiffAttnV2<T>, T>;
+  friend Base;
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
-  /// Storage of the parameters, x and y; a 16-bit layer runs forward only.
-  using value_type = T;
-  /// What the layer computes in and keeps its activations (q, k, v, lambda
-  /// logits, attention output) in: T, or float for a 16-bit layer, which
-  /// rounds only its output and the keys and values entering a 16-bit cache.
-  using compute_type = C;
   using config_type = DiffAttnV2Config;
 
   /// Builds the layer with nn.Linear's default initialisation for all five
@@ -97,58 +94,22 @@ class MultiheadDiffAttnV2 {
   const DiffAttnV2Config& config() const noexcept { return cfg_; }
   /// Width of every query, key and value head.
   index_t head_dim() const noexcept { return cfg_.head_dim; }
-  /// Threads of the attention kernel and the projections (0: the OpenMP
-  /// default); results are bitwise identical for any count.
-  void set_num_threads(int n) {
-    if (n < 0) detail::fail("MultiheadDiffAttnV2::set_num_threads", "n must be >= 0, got ", n);
-    num_threads_ = n;
-  }
-
-  /// Runs the layer on x (B, N, E) (any strides); returns y (B, N, E), contiguous.
-  /// position_offset and the kept state as in MultiheadDiffAttnV1::forward.
-  Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
-    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
-    check_input(fn, x);
-    if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
-    return run_forward(x, position_offset, nullptr);
-  }
-
-  /// Runs the layer on a packed batch x (1, T, E); as MultiheadDiffAttnV1's.
-  Tensor<T, 3> forward(TensorView<const T, 3> x, const PackedSequences& seqs) {
-    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
-    check_input(fn, x);
-    detail::module_check_packed(fn, x, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-    return run_forward(x, 0, &seqs);
-  }
-
-  /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens,
-  /// Hkv key heads (after rotary) and Hkv value heads of head_dim, the
-  /// baseline's cache. As MultiheadDiffAttnV1::make_cache (S: T,
-  /// compute_type, bfloat16 or half).
-  template <class S = T>
-  KVCache<S> make_cache(index_t batch, index_t capacity) const {
-    static_assert(std::is_same<S, T>::value || std::is_same<S, C>::value || is_half_storage_v<S>,
-                  "MultiheadDiffAttnV2::make_cache: the cache holds T, compute_type, bfloat16 "
-                  "or half");
-    if (!cfg_.causal)
-      detail::fail("MultiheadDiffAttnV2::make_cache",
-                   "a KV cache needs a causal layer (config.causal = true)");
-    return KVCache<S>(batch, capacity, cfg_.num_kv_heads, cfg_.head_dim, cfg_.num_kv_heads,
-                      cfg_.head_dim, cfg_.window_left);
-  }
+  /// forward(x, position_offset) and forward(x, packed), set_num_threads,
+  /// backward, gradients, zero_grad, parameters, num_parameters and
+  /// save_safetensors, make_cache: see detail::ModuleBase (as
+  /// MultiheadDiffAttnV1's). Errors name MultiheadDiffAttnV2::<method>. The
+  /// layer's KV cache holds Hkv key heads (after rotary) and Hkv value heads of
+  /// head_dim: the baseline's cache.
+  using Base::forward;
+  using Base::parameter_shapes;
 
   /// Runs the layer on n >= 1 new tokens per sequence after those the cache
   /// holds; lambda is computed per new token. As MultiheadDiffAttnV1's
   /// forward(x, cache), for a cache of T or of a 16-bit S.
   template <class S>
   Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
-    constexpr const char* fn = "MultiheadDiffAttnV2::forward";
-    check_input(fn, x);
-    if (!cfg_.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
+    this->check_cache(x, cache);
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hd = cfg_.head_dim;
-    detail::module_check_cache(fn, cache, x, cfg_.num_kv_heads, hd, cfg_.num_kv_heads, hd,
-                               cfg_.window_left);
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
     saved_ = Saved{};
     Tensor<C, 4> q, k, v;
@@ -173,53 +134,16 @@ class MultiheadDiffAttnV2 {
     return y;
   }
 
-  /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides),
-  /// returns dx = dL/dx (B, N, E), contiguous, and ADDS dL/dparameter to every
-  /// gradient buffer: through o_proj, the kernel (q, k, v and, through the
-  /// sigmoid, the lambda logits into lambda_proj.weight and x), the inverse
-  /// rotary rotation and the projections. State and errors as
-  /// MultiheadDiffAttnV1::backward: a second backward after one forward adds
-  /// the same gradients again. Not for a 16-bit layer (a compile-time error).
-  Tensor<T, 3> backward(TensorView<const T, 3> dy) {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV2::backward: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    if constexpr (kTrainable)
-      return run_backward(dy);
-    else
-      return {};
-  }
-
-  /// The accumulated gradient of every parameter, keyed and flattened as
-  /// parameters(). The views write through; zero_grad() clears them. Float
-  /// and double layers only.
-  std::map<std::string, TensorView<T, 1>> gradients() {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV2::gradients: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    return grads_.views();
-  }
-  /// Sets every gradient to zero (backward adds to them). Float and double
-  /// layers only.
-  void zero_grad() {
-    static_assert(kTrainable,
-                  "MultiheadDiffAttnV2::zero_grad: a bfloat16 / half layer runs forward "
-                  "only; train in float, then convert");
-    grads_.zero();
-  }
-
   /// The differential attention maps of x (B, N, E), materialised for analysis:
   /// W (B, H, N, N), row i of W[b, h] = A_2h[i] - sigmoid(lambda_logit[b, i, h]) A_2h+1[i]
   /// (rows sum to 1 - lambda of their token). O(B H N^2) memory; the state kept
   /// for backward is untouched. Same arguments and errors as forward. In
   /// compute_type (float for a 16-bit layer).
   Tensor<C, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
-    constexpr const char* fn = "MultiheadDiffAttnV2::attention_maps";
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    if (x.shape(2) != e)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ", e, ")");
+    const index_t h = cfg_.num_heads;
+    this->check_input("attention_maps", x);
     if (position_offset < 0)
-      detail::fail(fn, "position_offset must be >= 0, got ", position_offset);
+      this->fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
     const index_t b = x.shape(0), n = x.shape(1);
     Tensor<C, 4> q, k, v;
     Tensor<C, 3> logit;
@@ -238,20 +162,11 @@ class MultiheadDiffAttnV2 {
     return w;
   }
 
-  /// Every parameter by its reference state_dict name, flattened row-major:
-  /// q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd, E),
-  /// o_proj.weight (E, H*hd), lambda_proj.weight (H, E). The views write through.
-  std::map<std::string, TensorView<T, 1>> parameters() {
-    std::map<std::string, TensorView<T, 1>> out;
-    for (const auto& p : param_list()) out.emplace(p.name, TensorView<T, 1>(p.data, {p.numel()}));
-    return out;
-  }
-  /// The PyTorch shape of every parameter, keyed as parameters().
-  std::map<std::string, std::vector<index_t>> parameter_shapes() const {
-    return parameter_shapes(cfg_);
-  }
-  /// The parameter shapes a layer with `config` would have, without building it.
-  /// Throws for a bad configuration.
+  /// The parameter shapes a layer with `config` would have, without building it,
+  /// keyed by the reference's state_dict names as parameters() and gradients()
+  /// are: q_proj.weight (2H*hd, E), k_proj.weight and v_proj.weight (Hkv*hd,
+  /// E), o_proj.weight (E, H*hd), lambda_proj.weight (H, E). Throws for a bad
+  /// configuration.
   static std::map<std::string, std::vector<index_t>> parameter_shapes(
       const DiffAttnV2Config& config) {
     const DiffAttnV2Config c = checked(config);
@@ -262,8 +177,6 @@ class MultiheadDiffAttnV2 {
             {"o_proj.weight", {e, h * hd}},
             {"lambda_proj.weight", {h, e}}};
   }
-  /// Total number of parameters.
-  index_t num_parameters() const { return detail::module_count(parameter_shapes()); }
 
   /// Loads every parameter from prefix + name; same rules, conversions (a
   /// 16-bit layer takes its own dtype bit for bit) and errors as
@@ -275,32 +188,29 @@ class MultiheadDiffAttnV2 {
                            src);
   }
 
-  /// Writes every parameter as prefix + name in T's dtype (F32, F64, BF16 or
-  /// F16, bit for bit).
-  void save_safetensors(const std::string& path, const std::string& prefix = "") const {
-    detail::module_save<T>(path, prefix, param_list());
-  }
-
  private:
   template <class>
   friend class MultiheadDiffAttnV2;
+  static constexpr const char* kName = "MultiheadDiffAttnV2";
+  // Key and value heads per token of the layer's KV cache.
+  detail::ModuleCacheHeads cache_heads() const noexcept {
+    return {cfg_.num_kv_heads, cfg_.head_dim, cfg_.num_kv_heads, cfg_.head_dim};
+  }
+  using Base::grads_;
+  using Base::num_threads_;
 
   // The uninitialised parameters of a layer with `config`.
   MultiheadDiffAttnV2(const DiffAttnV2Config& config, detail::ModuleNoInit)
-      : cfg_(checked(config)),
+      : Base(parameter_shapes(config)),
+        cfg_(checked(config)),
         q_proj_({2 * cfg_.num_heads * cfg_.head_dim, cfg_.embed_dim}),
         k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
-        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
-        grads_(parameter_shapes(cfg_)) {}
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}) {}
 
+  // Backward once ModuleBase::backward has checked dy against the kept state.
   Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
-    constexpr const char* fn = "MultiheadDiffAttnV2::backward";
-    if (!saved_.valid) detail::fail(fn, "backward called before forward");
-    if (dy.shape() != saved_.x.shape())
-      detail::fail(fn, "dy has shape ", detail::shape_str(dy.shape()), ", expected ",
-                   detail::shape_str(saved_.x.shape()), " (the output of the last forward)");
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads, hkv = cfg_.num_kv_heads;
     const index_t hd = cfg_.head_dim;
     const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
@@ -358,11 +268,6 @@ class MultiheadDiffAttnV2 {
     bool valid = false;
   };
 
-  void check_input(const char* fn, const TensorView<const T, 3>& x) const {
-    if (x.shape(2) != cfg_.embed_dim)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, N, ",
-                   cfg_.embed_dim, ")");
-  }
 
   // The forward pass; seqs (a packed batch) or position_offset place the
   // tokens for the rotary embedding.
@@ -476,9 +381,7 @@ class MultiheadDiffAttnV2 {
   Tensor<T, 2> k_proj_;           // (Hkv * hd, E)
   Tensor<T, 2> v_proj_;           // (Hkv * hd, E)
   Tensor<T, 2> o_proj_;           // (E, H * hd)
-  Tensor<T, 2> lambda_proj_;      // (H, E)
-  detail::ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
-  int num_threads_ = 0;
+  Tensor<T, 2> lambda_proj_;  // (H, E)
   Saved saved_;
 };
 
