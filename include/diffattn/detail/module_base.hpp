@@ -1,7 +1,9 @@
 // ModuleBase: what the layer classes share word for word (threads, the
-// whole-sequence and packed forward entry points, backward and the gradient
-// buffers, the parameter maps and saving), written once over a Derived layer
-// (CRTP, as Eigen's MatrixBase).
+// whole-sequence and packed forward entry points, the checks of a cached
+// forward and of backward, the gradient buffers, make_cache, the parameter
+// maps and saving), written once over a Derived layer (CRTP, as Eigen's
+// MatrixBase). The layers' own headers keep what differs: configuration,
+// projections, the kernel they call, loading and the cached forward's body.
 #pragma once
 
 #include <map>
