@@ -9,8 +9,9 @@
 //
 // M keys per sequence (32768), B sequences (1), threads (2), rounds of about
 // 2 GB of K/V each per build (7), layers: names to run, e.g. "V2,GQA8" (all),
-// copies of each layer's caches (0: enough for 4x the last-level cache, as
-// bench_decode; 1: one copy, read warm from the caches). Prints each round's
+// copies of each layer's caches (0: at least 2, and more than 4x the
+// last-level cache together, so that a step never reads what the step
+// before it left in the cache; 1: one copy, read warm from the caches). Prints each round's
 // b-over-a speed ratio, their median, and the largest difference of the two
 // builds' outputs; exits 3 if they differ by more than float rounding (a
 // variant built only to measure a bound, with wrong results, does). Built
