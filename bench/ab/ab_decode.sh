@@ -16,9 +16,12 @@ rm -rf "$out/a" "$out/b"
 mkdir -p "$out/a" "$out/b"
 git archive "$rev" include | tar -x -C "$out/a"
 cp -R include "$out/b/"
+# Revisions since DIFFATTN_INLINE_NAMESPACE take the name from the command line;
+# older ones have it written in config.hpp.
 for w in a b; do
   sed -i "s/inline namespace v0 {/inline namespace ab_$w {/" "$out/$w/include/diffattn/config.hpp"
-  grep -q "inline namespace ab_$w {" "$out/$w/include/diffattn/config.hpp" ||
+  grep -q -e "inline namespace ab_$w {" -e "DIFFATTN_INLINE_NAMESPACE" \
+    "$out/$w/include/diffattn/config.hpp" ||
     { echo "ab_decode.sh: the namespace of $w's config.hpp is not diffattn::v0" >&2; exit 1; }
 done
 flags=${CXXFLAGS_AB:-"-O3 -march=native"}
@@ -26,7 +29,7 @@ eigen=$(pkg-config --cflags eigen3 2>/dev/null || echo -I/usr/include/eigen3)
 pids=""
 for w in a b; do
   # shellcheck disable=SC2086
-  "$cxx" -std=c++17 $flags -fopenmp -DNDEBUG $eigen -I"$out/$w/include" -DAB_STEP=ab_step_$w \
+  "$cxx" -std=c++17 $flags -fopenmp -DNDEBUG $eigen -I"$out/$w/include" -DDIFFATTN_INLINE_NAMESPACE=ab_$w -DAB_STEP=ab_step_$w \
     -c bench/ab/ab_step.cpp -o "$out/step_$w.o" &
   pids="$pids $!"
 done

@@ -12,9 +12,15 @@
 
 // Everything lives in the versioned inline namespace diffattn::v0: objects built
 // against two incompatible versions fail to link instead of misbehaving.
+// DIFFATTN_INLINE_NAMESPACE renames it for one translation unit, so that builds
+// of the headers with different flags can sit side by side in one program
+// (bench_dispatch compares them in one process); everything else keeps v0.
+#ifndef DIFFATTN_INLINE_NAMESPACE
+#define DIFFATTN_INLINE_NAMESPACE v0
+#endif
 #define DIFFATTN_BEGIN_NAMESPACE \
   namespace diffattn {           \
-  inline namespace v0 {
+  inline namespace DIFFATTN_INLINE_NAMESPACE {
 #define DIFFATTN_END_NAMESPACE \
   }                            \
   }
