@@ -9,6 +9,7 @@
 #include "diff_weights.hpp"
 #include "error.hpp"
 #include "io/safetensors.hpp"
+#include "isa.hpp"
 #include "kv_cache.hpp"
 #include "kvcache_attention.hpp"
 #include "lambda.hpp"

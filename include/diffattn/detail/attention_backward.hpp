@@ -26,6 +26,7 @@
 #include "../config.hpp"
 #include "../lambda.hpp"
 #include "attention_kernel.hpp"
+#include "dispatch.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
@@ -291,7 +292,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
 }
 
 template <class T>
-void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions& options) {
+void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options) {
   const AttentionProblem<T>& p = bp.fwd;
   const index_t groups = p.heads / p.group;
   const index_t seqs = p.num_seqs();
@@ -336,6 +337,17 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
       }
     }
   }
+}
+
+/// Runs a validated backward problem: here, or (DIFFATTN_DISPATCH) in
+/// diffattn::dispatch's variant for this CPU (dispatch.hpp).
+template <class T>
+void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions& options) {
+#ifdef DIFFATTN_DISPATCH
+  dispatch_attention_backward(bp, options);
+#else
+  run_attention_backward_kernel(bp, options);
+#endif
 }
 
 }  // namespace detail

@@ -36,6 +36,7 @@
 #include "block_info.hpp"
 #include "convert.hpp"
 #include "decode_kernel.hpp"
+#include "dispatch.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
@@ -303,7 +304,7 @@ inline std::uint64_t next_call_id() {
 /// writes the output. Which chunks exist follows from the problem alone, so
 /// the result is the same for any thread count.
 template <class T, class KV>
-void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options) {
+void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptions& options) {
   using C = compute_t<T>;
   using Cfg = TileConfig<C>;
   const index_t bm = Cfg::kBlockM;
@@ -388,6 +389,18 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
         decode_finish(p, sq, dl, st, st + dl.rows() * dv, thread_workspace<C>());
       },
       [] {});
+}
+
+/// Runs a validated problem: here, compiled for the including translation
+/// unit's flags, or (DIFFATTN_DISPATCH) in diffattn::dispatch's variant for
+/// this CPU (dispatch.hpp).
+template <class T, class KV>
+void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options) {
+#ifdef DIFFATTN_DISPATCH
+  dispatch_attention(p, options);
+#else
+  run_attention_kernel(p, options);
+#endif
 }
 
 }  // namespace detail

@@ -1,0 +1,196 @@
+// diffattn::dispatch: selects, once per process, the best variant of the
+// kernels compiled into the library that this CPU and its operating system
+// can run, and forwards every checked problem to it. Compiled for the
+// baseline instruction set of the target, like the code that calls it.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <diffattn/detail/dispatch.hpp>
+#include <diffattn/error.hpp>
+#include <diffattn/isa.hpp>
+
+#include "variant.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define DIFFATTN_DISPATCH_X86 1
+#endif
+
+// The variants compiled in, from the least to the most capable:
+// DIFFATTN_VARIANT_LIST(X) expands X(name) for each (variants.inc, generated).
+#include "variants.inc"
+
+#define DIFFATTN_DECLARE_TABLES(name)                                        \
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_FORWARD_TABLE(name)[]; \
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_BACKWARD_TABLE(name)[];
+DIFFATTN_VARIANT_LIST(DIFFATTN_DECLARE_TABLES)
+#undef DIFFATTN_DECLARE_TABLES
+
+namespace diffattn_dispatch {
+namespace {
+
+struct Variant {
+  const char* name;
+  const ErasedFn* forward;
+  const ErasedFn* backward;
+};
+
+#define DIFFATTN_VARIANT_ENTRY(name) \
+  Variant{#name, DIFFATTN_FORWARD_TABLE(name), DIFFATTN_BACKWARD_TABLE(name)},
+constexpr Variant kVariants[] = {DIFFATTN_VARIANT_LIST(DIFFATTN_VARIANT_ENTRY)};
+#undef DIFFATTN_VARIANT_ENTRY
+constexpr int kVariantCount = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
+
+/// The instruction-set extensions the variants need, as this CPU and its
+/// operating system provide them.
+struct CpuFeatures {
+  bool x86_64_v2 = false;  // SSE3, SSSE3, SSE4.1, SSE4.2, POPCNT, CMPXCHG16B, LAHF
+  bool x86_64_v3 = false;  // + AVX, AVX2, FMA, F16C, BMI1, BMI2, LZCNT, MOVBE, OS-saved ymm
+  bool x86_64_v4 = false;  // + AVX-512 F, BW, CD, DQ, VL, OS-saved zmm and mask registers
+  bool avx512_bf16 = false;
+  bool avx512_vnni = false;
+};
+
+#ifdef DIFFATTN_DISPATCH_X86
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
+  const unsigned max_leaf = a;
+  unsigned c1 = 0, d1 = 0, b7 = 0, c7 = 0, a7_1 = 0, c81 = 0, d81 = 0;
+  __get_cpuid(1, &a, &b, &c1, &d1);
+  if (max_leaf >= 7) {
+    unsigned max_subleaf = 0;
+    __cpuid_count(7, 0, max_subleaf, b7, c7, d);
+    if (max_subleaf >= 1) __cpuid_count(7, 1, a7_1, b, c, d);
+  }
+  __get_cpuid(0x80000001u, &a, &b, &c81, &d81);  // leaves c81 at 0 where absent
+  auto bit = [](unsigned reg, int i) { return ((reg >> i) & 1u) != 0; };
+  // XCR0: which register states the operating system saves on a context switch.
+  std::uint64_t xcr0 = 0;
+  if (bit(c1, 27)) {  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (static_cast<std::uint64_t>(hi) << 32) | lo;
+  }
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;           // xmm and ymm
+  const bool os_zmm = os_ymm && (xcr0 & 0xe0) == 0xe0;  // opmask, zmm0-15 upper, zmm16-31
+  f.x86_64_v2 = bit(c1, 0) && bit(c1, 9) && bit(c1, 13) && bit(c1, 19) && bit(c1, 20) &&
+                bit(c1, 23) && bit(c81, 0);
+  f.x86_64_v3 = f.x86_64_v2 && os_ymm && bit(c1, 28) && bit(c1, 12) && bit(c1, 29) &&
+                bit(c1, 22) && bit(b7, 5) && bit(b7, 3) && bit(b7, 8) && bit(c81, 5);
+  f.x86_64_v4 = f.x86_64_v3 && os_zmm && bit(b7, 16) && bit(b7, 17) && bit(b7, 28) &&
+                bit(b7, 30) && bit(b7, 31);
+  f.avx512_bf16 = f.x86_64_v4 && bit(a7_1, 5);
+  f.avx512_vnni = f.x86_64_v4 && bit(c7, 11);
+  return f;
+}
+#else
+CpuFeatures detect() { return {}; }
+#endif
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+/// Whether this CPU runs the variant, and if not, what it lacks.
+bool supported(std::string_view name, std::string* missing = nullptr) {
+  const CpuFeatures& f = features();
+  auto need = [&](bool have, const char* what) {
+    if (!have && missing) *missing = what;
+    return have;
+  };
+  if (name == "generic") return true;
+  if (name == "sse4") return need(f.x86_64_v2, "SSE4.2 and POPCNT (x86-64-v2)");
+  if (name == "avx2")
+    return need(f.x86_64_v3, "AVX2, FMA and F16C with the OS saving ymm registers (x86-64-v3)");
+  if (name == "avx512")
+    return need(f.x86_64_v4,
+                "AVX-512 F, BW, CD, DQ and VL with the OS saving zmm registers (x86-64-v4)");
+  if (name == "avx512bf16")
+    return need(f.x86_64_v4, "AVX-512 (x86-64-v4)") &&
+           need(f.avx512_bf16, "AVX512-BF16") && need(f.avx512_vnni, "AVX512-VNNI");
+  if (missing) *missing = "a variant of this name";
+  return false;
+}
+
+std::string variant_names() {
+  std::string s;
+  for (const Variant& v : kVariants) s += (s.empty() ? "" : ", ") + std::string(v.name);
+  return s;
+}
+
+/// The variant DIFFATTN_ISA names (which must be compiled in and supported),
+/// or else the most capable supported one.
+const Variant& select(const char* requested) {
+  if (requested && *requested) {
+    for (const Variant& v : kVariants) {
+      if (std::strcmp(v.name, requested) != 0) continue;
+      std::string missing;
+      if (!supported(v.name, &missing))
+        throw diffattn::error(std::string("diffattn::dispatch: DIFFATTN_ISA=") + requested +
+                              ", but this CPU (or its operating system) lacks " + missing);
+      return v;
+    }
+    throw diffattn::error(std::string("diffattn::dispatch: DIFFATTN_ISA=") + requested +
+                          " is not a variant of this library (compiled in: " + variant_names() +
+                          ")");
+  }
+  for (int i = kVariantCount - 1; i > 0; --i)
+    if (supported(kVariants[i].name)) return kVariants[i];
+  return kVariants[0];
+}
+
+const Variant& selected() {
+  // Thread-safe, once; a throw leaves it unset, so every call reports the error.
+  static const Variant& v = select(std::getenv("DIFFATTN_ISA"));
+  return v;
+}
+
+}  // namespace
+}  // namespace diffattn_dispatch
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+#define DIFFATTN_DEFINE_FORWARD(T, KV)                                                     \
+  void dispatch_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options) { \
+    using namespace diffattn_dispatch;                                                     \
+    reinterpret_cast<ForwardFn<T, KV>>(selected().forward[forward_slot<T, KV>()])(p, options); \
+  }
+DIFFATTN_FORWARD_STORAGE(DIFFATTN_DEFINE_FORWARD)
+#undef DIFFATTN_DEFINE_FORWARD
+
+#define DIFFATTN_DEFINE_BACKWARD(T)                                                          \
+  void dispatch_attention_backward(const BackwardProblem<T>& bp,                             \
+                                   const AttentionOptions& options) {                        \
+    using namespace diffattn_dispatch;                                                       \
+    reinterpret_cast<BackwardFn<T>>(selected().backward[backward_slot<T>()])(bp, options);   \
+  }
+DIFFATTN_BACKWARD_STORAGE(DIFFATTN_DEFINE_BACKWARD)
+#undef DIFFATTN_DEFINE_BACKWARD
+
+const char* dispatch_isa() { return diffattn_dispatch::selected().name; }
+
+std::vector<std::string_view> dispatch_variants() {
+  std::vector<std::string_view> names;
+  for (const auto& v : diffattn_dispatch::kVariants) names.emplace_back(v.name);
+  return names;
+}
+
+bool dispatch_supported(std::string_view name) {
+  for (const auto& v : diffattn_dispatch::kVariants)
+    if (name == v.name) return diffattn_dispatch::supported(name);
+  return false;
+}
+
+std::string dispatch_check(std::string_view name) {
+  return diffattn_dispatch::select(std::string(name).c_str()).name;
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE

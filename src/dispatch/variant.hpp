@@ -1,0 +1,66 @@
+// What one variant of diffattn::dispatch exports: its kernels for every
+// storage combination of detail/dispatch.hpp, as tables of type-erased
+// function pointers in the order of DIFFATTN_FORWARD_STORAGE and
+// DIFFATTN_BACKWARD_STORAGE. Private to the library (not installed).
+//
+// Each variant is compiled from variant_forward.cpp and variant_backward.cpp
+// with its own instruction-set flags and DIFFATTN_VARIANT=<name>; the two
+// objects are linked into one relocatable object and every symbol except the
+// two tables is made local to it (src/CMakeLists.txt), so no inline function
+// compiled for one instruction set can be picked by the linker for another.
+#pragma once
+
+#include <type_traits>
+
+#include <diffattn/detail/dispatch.hpp>
+
+namespace diffattn_dispatch {
+
+using ErasedFn = void (*)();
+
+template <class T, class KV>
+using ForwardFn = void (*)(const diffattn::detail::AttentionProblem<T, KV>&,
+                           const diffattn::AttentionOptions&);
+template <class T>
+using BackwardFn = void (*)(const diffattn::detail::BackwardProblem<T>&,
+                            const diffattn::AttentionOptions&);
+
+/// The slot of (T, KV) in a variant's forward table.
+template <class T, class KV>
+constexpr int forward_slot() {
+  int slot = 0, found = -1;
+#define DIFFATTN_SLOT(A, B) \
+  if (std::is_same<T, A>::value && std::is_same<KV, B>::value) found = slot; \
+  ++slot;
+  DIFFATTN_FORWARD_STORAGE(DIFFATTN_SLOT)
+#undef DIFFATTN_SLOT
+  return found;
+}
+
+/// The slot of T in a variant's backward table.
+template <class T>
+constexpr int backward_slot() {
+  int slot = 0, found = -1;
+#define DIFFATTN_SLOT(A) \
+  if (std::is_same<T, A>::value) found = slot; \
+  ++slot;
+  DIFFATTN_BACKWARD_STORAGE(DIFFATTN_SLOT)
+#undef DIFFATTN_SLOT
+  return found;
+}
+
+#define DIFFATTN_COUNT_FORWARD(A, B) +1
+#define DIFFATTN_COUNT_BACKWARD(A) +1
+constexpr int kForwardSlots = 0 DIFFATTN_FORWARD_STORAGE(DIFFATTN_COUNT_FORWARD);
+constexpr int kBackwardSlots = 0 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_COUNT_BACKWARD);
+#undef DIFFATTN_COUNT_FORWARD
+#undef DIFFATTN_COUNT_BACKWARD
+
+}  // namespace diffattn_dispatch
+
+#define DIFFATTN_PASTE_(a, b) a##b
+#define DIFFATTN_PASTE(a, b) DIFFATTN_PASTE_(a, b)
+/// The exported tables of variant NAME: diffattn_forward_NAME and
+/// diffattn_backward_NAME.
+#define DIFFATTN_FORWARD_TABLE(name) DIFFATTN_PASTE(diffattn_forward_, name)
+#define DIFFATTN_BACKWARD_TABLE(name) DIFFATTN_PASTE(diffattn_backward_, name)
