@@ -35,6 +35,7 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
+#include <diffattn/isa.hpp>
 #include <diffattn/attention.hpp>
 #include <diffattn/detail/bf16_dot.hpp>
 #include <diffattn/kvcache_attention.hpp>
@@ -63,9 +64,16 @@ using test::unit_roundoff;
 namespace {
 
 /// True when the tiled path of S storage runs Q K^T on bf16 dot products, so
-/// that it is not bitwise the float kernel's (see the top).
+/// that it is not bitwise the float kernel's (see the top): decided by this
+/// file's flags header-only, by the variant in use under diffattn::dispatch.
 template <class S>
-constexpr bool kBf16Dot = diffattn::detail::use_bf16_dot<S, S>;
+bool bf16_dot() {
+#ifdef DIFFATTN_DISPATCH
+  return std::is_same<S, bfloat16>::value && diffattn::isa() == "avx512bf16";
+#else
+  return diffattn::detail::use_bf16_dot<S, S>;
+#endif
+}
 
 enum class Kind { plain, v1, v2 };
 const char* name(Kind k) { return k == Kind::v1 ? "v1" : k == Kind::v2 ? "v2" : "plain"; }
@@ -227,7 +235,7 @@ void check_forward(Kind kind, const Shape& s, AttentionOptions o, std::uint64_t 
   run<float, false>(kind, xf.q, xf.k, xf.v, xf.logit, out_f, lse_f, o);
   run<float, true>(kind, xf.q, xf.k, xf.v, xf.logit, naive_f, lse_naive, o);
   run<double, true>(kind, xd.q, xd.k, xd.v, xd.logit, ref, lse_ref, o);
-  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6 && !kBf16Dot<S>);
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6 && !bf16_dot<S>());
 }
 
 AttentionOptions opts(bool causal, index_t window_left = -1) {
@@ -292,7 +300,7 @@ TEST_CASE("16-bit varlen batches equal the float kernel rounded once", "[half][v
   diffattn::diff_attention_v2_varlen<bfloat16>(q, k, v, logit, out, lse, seqs, o);
   diffattn::diff_attention_v2_varlen<float>(cast<float>(q), cast<float>(k), cast<float>(v),
                                             cast<float>(logit), out_f, lse_f, seqs, o);
-  if (!kBf16Dot<bfloat16>) {
+  if (!bf16_dot<bfloat16>()) {
     REQUIRE(test::bitwise_equal(out, cast<bfloat16>(out_f)));
     REQUIRE(test::bitwise_equal(lse, lse_f));
     return;
@@ -490,7 +498,7 @@ void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, inde
   Tensor<float, 3> lse_s(ls);
   run_kvcache<S, S>(kind, xs, xs.k, xs.v, cache, out_s, lse_s, o);
   // Decoding steps and bf16 dot products order their sums differently (see the top).
-  const bool tiled = n >= 6 && !kBf16Dot<S>;
+  const bool tiled = n >= 6 && !bf16_dot<S>();
   check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, tiled);
 
   // Paged S caches: bitwise the contiguous result.
