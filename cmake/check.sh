@@ -22,12 +22,15 @@ ctest --test-dir build --output-on-failure -j"$jobs"
 stage "2/3 tests under AddressSanitizer and UndefinedBehaviorSanitizer"
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 # The examples run in stage 1; here the unit tests, which reach the same code.
+# diffattn::dispatch's variants compile the same kernels as the header-only
+# tests: stage 1 runs them, once per variant.
 # test_hygiene (each header compiled alone) is built in stage 1 only.
 # -g1 keeps the line tables the sanitizers' reports need and compiles a third
 # faster than -g; -Og builds them in about 6.5 minutes on 2 cores against about 9
 # with -O1 (test_half.cpp: 50 s against 88), and the tests run as fast (30 s).
 cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=Debug -DDIFFATTN_BUILD_BENCH=OFF \
   -DDIFFATTN_BUILD_EXAMPLES=OFF -DDIFFATTN_NATIVE_TESTS=OFF -DDIFFATTN_HEADER_CHECKS=OFF \
+  -DDIFFATTN_BUILD_DISPATCH=OFF \
   -DCMAKE_CXX_FLAGS_DEBUG="-Og -g1" \
   -DCMAKE_CXX_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san"
 cmake --build build-sanitize -j"$jobs"
@@ -45,7 +48,7 @@ fi
 stage "3/3 fuzzing the safetensors reader, the view checks, the KV cache kernels and the layers' caches"
 cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDIFFATTN_BUILD_FUZZERS=ON -DDIFFATTN_BUILD_TESTS=OFF -DDIFFATTN_BUILD_EXAMPLES=OFF \
-  -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF
+  -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF -DDIFFATTN_BUILD_DISPATCH=OFF
 cmake --build build-fuzz -j"$jobs"
 ctest --test-dir build-fuzz --output-on-failure
 # Each fuzzer runs on one thread: $jobs of them at a time.
