@@ -25,7 +25,10 @@ DIFFATTN_BEGIN_NAMESPACE
 /// AVX512-VNNI). The choice is made once, at the first kernel call; the
 /// environment variable DIFFATTN_ISA=<name> forces a variant, and a variant
 /// the CPU lacks, or a name not compiled in, is refused with diffattn::error
-/// at that call.
+/// at that call. Every translation unit of a program that includes diffattn
+/// must agree on DIFFATTN_DISPATCH (the target sets it for all of them). Not
+/// dispatched: the analysis kernels (analysis.hpp), the layers' projections,
+/// rotary embedding and normalisation, which compile with the program's flags.
 /// @{
 
 /// The variant in use: "native" header-only; with diffattn::dispatch the

@@ -2,6 +2,7 @@
 // kernels compiled into the library that this CPU and its operating system
 // can run, and forwards every checked problem to it. Compiled for the
 // baseline instruction set of the target, like the code that calls it.
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
