@@ -542,6 +542,16 @@ TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-ker
           const float widened = dt::value_from_pairs(panels.data(), pairs, j, c);
           REQUIRE(widened == (j < rows && c < width ? static_cast<float>(v(j, c)) : 0.0f));
         }
+      // One key's values added to a row, as at the band's edges: out += w v_j exactly
+      // (w = 0.5, an exact float product).
+      for (index_t j = 0; j < rows; ++j)
+        for (index_t c0 = 0; c0 < wp; c0 += NR) {
+          std::vector<float> out(static_cast<std::size_t>(NR), 1.0f);
+          dt::add_value_pair_row(panels.data() + c0 * pairs, j, 0.5f, out.data());
+          for (index_t c = 0; c < NR; ++c)
+            REQUIRE(out[static_cast<std::size_t>(c)] ==
+                    1.0f + 0.5f * (c0 + c < width ? static_cast<float>(v(j, c0 + c)) : 0.0f));
+        }
     }
   }
 #if defined(__AVX512BF16__)

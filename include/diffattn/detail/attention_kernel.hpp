@@ -275,8 +275,8 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
               const C wij = s[0][ii * lds + (j - kbase)];
               C* orow = o + ii * dvp;
               if constexpr (wv16) {
-                for (index_t c = 0; c < dvp; ++c)
-                  orow[c] += wij * value_from_pairs(vpp, ppairs, j - pb, c);
+                for (index_t c0 = 0; c0 < dvp; c0 += NR)
+                  add_value_pair_row(vpp + c0 * ppairs, j - pb, wij, orow + c0);
               } else {
                 for (index_t c0 = 0; c0 < dvp; c0 += NR) {
                   const C* vrow = vp + c0 * prows + (j - pb) * NR;

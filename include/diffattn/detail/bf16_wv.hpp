@@ -112,6 +112,21 @@ inline float value_from_pairs(const std::uint32_t* panels, index_t pairs, index_
   return f;
 }
 
+/// out[0:kNR] += w * (key j of a panel of pack_value_pairs_from's output,
+/// widened exactly to float): one key's values, added row by row at the band's
+/// edges. A fixed-size loop the compiler vectorises.
+inline void add_value_pair_row(const std::uint32_t* panel, index_t j, float w, float* out) {
+  constexpr index_t nr = TileConfig<float>::kNR;
+  const std::uint32_t* words = panel + (j / 2) * nr;
+  const int shift = j % 2 == 0 ? 16 : 0;  // key 2t in the low half
+  for (index_t c = 0; c < nr; ++c) {
+    const std::uint32_t bits = (words[c] << shift) & 0xffff0000u;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    out[c] += w * f;
+  }
+}
+
 /// dst[t] for t in [t0, t1): the weights w[2t] and w[2t + 1] rounded to bf16
 /// (nearest even; denormals to zero) as one word, key 2t in the low half.
 /// Defined only for AVX512-BF16 targets, called only where use_bf16_wv holds.
