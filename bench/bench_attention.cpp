@@ -9,6 +9,11 @@
 // values); V2 and plain 4 P d per query head. The three layers then do the
 // same work and the same number of exp() calls.
 //
+// BM_Bf16_<kind>: the same fused kernels with q, k, v and out stored as
+// bfloat16 (V2's lambda_logit too): under AVX512-BF16 both products run on
+// bf16 dot products (detail/bf16_dot.hpp, detail/bf16_wv.hpp). Their rates
+// are compared with BM_Bf16Peak, the instruction's peak in the same run.
+//
 // Arguments: {N, threads}. B = 1, causal.
 #include <benchmark/benchmark.h>
 
@@ -85,6 +90,41 @@ void plain(benchmark::State& state) {
   }
   set_counters(state, H * 4.0 * visible_pairs(n) * d,
                4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
+}
+
+template <class S, std::size_t R>
+Tensor<S, R> to(const Tensor<float, R>& t) {
+  Tensor<S, R> r(t.shape());
+  for (index_t i = 0; i < t.size(); ++i) r.data()[i] = static_cast<S>(t.data()[i]);
+  return r;
+}
+
+/// The fused V1 (0), V2 (1) or plain (2) kernel of the shapes above, every
+/// tensor stored as S.
+template <class S, int Kind>
+void fused16(benchmark::State& state) {
+  const index_t n = state.range(0), d = kHeadDim;
+  const index_t H = Kind == 2 ? 16 : 8, qh = 16, kh = Kind == 1 ? 8 : 16;
+  const index_t vh = Kind == 2 ? 16 : 8, vw = Kind == 0 ? 2 * d : d;
+  const auto q = to<S>(random4({1, n, qh, d}, 1)), k = to<S>(random4({1, n, kh, d}, 2)),
+             v = to<S>(random4({1, n, vh, vw}, 3));
+  const auto logit = to<S>(random4<3>({1, n, 8}, 4));
+  Tensor<S, 4> out({1, n, H, vw});
+  const auto o = options(state, true);
+  for (auto _ : state) {
+    if constexpr (Kind == 0)
+      diffattn::diff_attention_v1<S>(q, k, v, 0.8f, out, o);
+    else if constexpr (Kind == 1)
+      diffattn::diff_attention_v2<S>(q, k, v, logit, out, o);
+    else
+      diffattn::attention<S>(q, k, v, out, o);
+    benchmark::DoNotOptimize(out.data());
+  }
+  // The float benchmarks' useful work (V1: 8 P d per DIFF head; V2, plain: 4 P d per query head).
+  const double flops = (Kind == 0 ? 8.0 * 8 : 4.0 * 16) * visible_pairs(n) * d;
+  set_counters(state, flops,
+               static_cast<double>(sizeof(S)) *
+                   static_cast<double>(q.size() + k.size() + v.size() + out.size()));
 }
 
 // Backward: GFLOPS counts 2.5x the forward's useful work (recomputed scores,
@@ -183,6 +223,10 @@ void BM_Reference_V2(benchmark::State& s) { v2<false>(s); }
 void BM_Fused_Plain(benchmark::State& s) { plain<true>(s); }
 void BM_Reference_Plain(benchmark::State& s) { plain<false>(s); }
 
+void BM_Bf16_V1(benchmark::State& s) { fused16<diffattn::bfloat16, 0>(s); }
+void BM_Bf16_V2(benchmark::State& s) { fused16<diffattn::bfloat16, 1>(s); }
+void BM_Bf16_Plain(benchmark::State& s) { fused16<diffattn::bfloat16, 2>(s); }
+
 void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
   for (long threads : {1, 2})
     for (long n : ns) b->Args({n, threads});
@@ -192,9 +236,13 @@ void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
 }  // namespace
 
 BENCHMARK(bench::BM_FmaPeak)->Arg(1)->Arg(2)->UseRealTime();
+BENCHMARK(bench::BM_Bf16Peak)->Arg(1)->Arg(2)->UseRealTime();
 BENCHMARK(BM_Fused_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
 BENCHMARK(BM_Fused_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
 BENCHMARK(BM_Fused_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048, 4096, 16384}); });
+BENCHMARK(BM_Bf16_V1)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Bf16_V2)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Bf16_Plain)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_V2)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });
 BENCHMARK(BM_Reference_Plain)->Apply([](auto* b) { sizes(b, {256, 1024, 2048}); });

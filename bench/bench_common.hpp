@@ -19,6 +19,10 @@
 #define DIFFATTN_BENCH_CPUID 1
 #endif
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <diffattn/detail/random.hpp>
 #include <diffattn/detail/tile.hpp>
 #include <diffattn/tensor.hpp>
@@ -155,6 +159,44 @@ inline void BM_FmaPeak(benchmark::State& state) {
     benchmark::DoNotOptimize(sink);
   }
   set_counters(state, 2.0 * P * 12.0 * static_cast<double>(iters) * threads, 0);
+}
+
+/// What the bf16 dot products can do (AVX512-BF16's vdpbf16ps on zmm: 16
+/// lanes x 2 products, 64 flops each): 12 independent accumulator chains per
+/// thread, as BM_FmaPeak and as the bf16 micro-kernels' 6 x 2 tile (on Zen 5,
+/// 12 chains reach two instructions a cycle, twice BM_FmaPeak's flops).
+/// Skipped, with the reason, where the build does not target AVX512-BF16.
+inline void BM_Bf16Peak(benchmark::State& state) {
+#if defined(__AVX512BF16__)
+  constexpr int kChains = 12;
+  const int threads = static_cast<int>(state.range(0));
+  const long iters = 10'000'000;
+  for (auto _ : state) {
+    float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+#endif
+    {
+      // 1.0 and 2^-20 as bf16 pairs: the sums grow by 2^-19 a step, far from
+      // denormals and overflow.
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(0x35803580);
+      __m512 c[kChains];
+      for (auto& x : c) x = _mm512_set1_ps(0.5f);
+      for (long i = 0; i < iters; ++i)
+        for (auto& x : c) x = _mm512_dpbf16_ps(x, a, b);
+      __m512 s = c[0];
+      for (int j = 1; j < kChains; ++j) s = _mm512_add_ps(s, c[j]);
+      sink += _mm512_reduce_add_ps(s);
+    }
+    benchmark::DoNotOptimize(sink);
+  }
+  set_counters(state, 64.0 * kChains * static_cast<double>(iters) * threads, 0);
+#else
+  state.SkipWithError("no bf16 dot products: the build does not target AVX512-BF16");
+  for (auto _ : state) {
+  }
+#endif
 }
 
 }  // namespace bench

@@ -1,8 +1,8 @@
 // 16-bit storage against float: what bfloat16 buys where the kernels are
 // memory-bound (a decoding step reads the whole cache) and where they are
 // compute-bound (prefill: inputs widened once per tile and the products in
-// float, except Q K^T of bfloat16 q and k under AVX512-BF16, which runs on
-// bf16 dot products: see detail/bf16_dot.hpp).
+// float, except for bfloat16 storage under AVX512-BF16, where Q K^T and W V
+// run on bf16 dot products: see detail/bf16_dot.hpp and detail/bf16_wv.hpp).
 //
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a

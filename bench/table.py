@@ -6,7 +6,9 @@
 
 Every rate is also given as a fraction of the FMA peak probe of the same run
 (the widest vectors the build targets), so tables from different machines
-compare.
+compare. The bfloat16 kernels (BM_Bf16_*) are given against their float
+kernels of the same run and as a fraction of the bf16 peak probe
+(BM_Bf16Peak, vdpbf16ps), where the build targets AVX512-BF16.
 """
 import json
 import sys
@@ -49,6 +51,39 @@ def main(path):
         print("\n| backward | N | threads | ms | GFLOP/s (of peak) |")
         print("| --- | ---: | ---: | ---: | ---: |")
         print("\n".join(rows))
+    bf16_table(runs, ms)
+
+
+def bf16_table(runs, ms):
+    """bfloat16 storage against float, and against the bf16 peak probe."""
+    probe = {t: runs.get(f"BM_Bf16Peak/{t}") for t in (1, 2)}
+    bf16_peak = {t: b["GFLOPS"] / 1e9 for t, b in probe.items() if b and "GFLOPS" in b}
+    kinds = ("V1", "V2", "Plain")
+    rows = []
+    for threads in (1, 2):
+        for n in (256, 1024, 2048, 4096, 16384):
+            pairs = [(runs.get(f"BM_Bf16_{k}/{n}/{threads}"), runs.get(f"BM_Fused_{k}/{n}/{threads}"))
+                     for k in kinds]
+            if not all(b and f for b, f in pairs):
+                continue
+            cells = []
+            for b, f in pairs:
+                of = (f" ({100 * b['GFLOPS'] / 1e9 / bf16_peak[threads]:.0f}%)"
+                      if threads in bf16_peak else "")
+                cells.append(f"{ms(b):.1f} | {ms(f) / ms(b):.2f}x | {b['GFLOPS'] / 1e9:.0f}{of}")
+            rows.append(f"| {n} | {threads} | " + " | ".join(cells) + " |")
+    if not rows:
+        return
+    if bf16_peak:
+        print("\nbf16 peak (vdpbf16ps): " +
+              ", ".join(f"{t} thread{'s' if t > 1 else ''} {p:.0f} GFLOP/s" for t, p in bf16_peak.items()))
+    else:
+        print("\nbf16 peak: not measured (the build does not target AVX512-BF16)")
+    print("\n| N | threads | bf16 V1 ms | V1 float / bf16 | V1 GFLOP/s (of bf16 peak) "
+          "| bf16 V2 ms | V2 float / bf16 | V2 GFLOP/s (of bf16 peak) "
+          "| bf16 plain ms | plain float / bf16 | plain GFLOP/s (of bf16 peak) |")
+    print("| ---: | ---: |" + " ---: |" * 9)
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,20 @@
 // same exact products in another order. out_S is then no longer bitwise
 // round_S(out_f); like the decoding step it is held to the bound with e_f the
 // float kernel's bound, and lse to the float tolerance.
+//
+// There O = W V runs on bf16 dot products as well (detail/bf16_wv.hpp): each
+// weight is rounded once to bf16 before the product, which adds at most
+// 2^-8 sum_j |w_ij| |v_jc| =: 2^-8 m_ic to output element (i, c), a sum that
+// can exceed max |y| where the two maps cancel. The bound is then elementwise,
+// with delta_ic = e_f max |y| + 2^-8 (1 + 2^-6) m_ic (the 2^-6 covers the
+// float W's own error next to W), for the float kernel's arithmetic, the
+// weights' rounding and the output's:
+//   |out_S - y|_ic <= u_S (|y_ic| + delta_ic) + delta_ic,
+// with m computed in float64 from the reference's W on the same inputs.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -38,6 +50,8 @@
 #include <diffattn/isa.hpp>
 #include <diffattn/attention.hpp>
 #include <diffattn/detail/bf16_dot.hpp>
+#include <diffattn/detail/bf16_wv.hpp>
+#include <diffattn/detail/random.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
@@ -63,9 +77,10 @@ using test::unit_roundoff;
 
 namespace {
 
-/// True when the tiled path of S storage runs Q K^T on bf16 dot products, so
-/// that it is not bitwise the float kernel's (see the top): decided by this
-/// file's flags header-only, by the variant in use under diffattn::dispatch.
+/// True when the tiled path of S storage runs Q K^T and W V on bf16 dot
+/// products, so that it is not bitwise the float kernel's (see the top):
+/// decided by this file's flags header-only, by the variant in use under
+/// diffattn::dispatch.
 template <class S>
 bool bf16_dot() {
 #ifdef DIFFATTN_DISPATCH
@@ -149,6 +164,51 @@ void run(Kind kind, TensorView<const T, 4> q, TensorView<const T, 4> k, TensorVi
   }
 }
 
+/// m_ic = sum_j |w_ij| |v_jc| in float64 for every output element (see the
+/// top), written to mag: the reference's W of the same problem (masks, GQA,
+/// V2's lambda per row), in absolute value, times |v| over each row's keys.
+/// q, k, v and logit are what run<double, true> takes.
+void abs_wv(Kind kind, TensorView<const double, 4> q, TensorView<const double, 4> k,
+            TensorView<const double, 4> v, TensorView<const double, 3> logit,
+            TensorView<double, 4> mag, const AttentionOptions& o) {
+  namespace dt = diffattn::detail;
+  using Mat = diffattn::Matrix<double>;
+  const TensorView<double, 3> no_lse;
+  const double lambda = kLambda;
+  const dt::AttentionProblem<double> p =
+      kind == Kind::v1   ? dt::validate_v1<double>(q, k, v, &lambda, nullptr, mag, no_lse, o)
+      : kind == Kind::v2 ? dt::validate_v2<double>(q, k, v, logit, mag, no_lse, o)
+                         : dt::validate_plain<double>(q, k, v, mag, no_lse, o);
+  for (index_t seq = 0; seq < p.num_seqs(); ++seq)
+    for (index_t oh = 0; oh < p.heads; ++oh) {
+      const dt::SeqSpan sq = p.seq(seq);
+      const dt::HeadMap hm = dt::head_map(p, oh);
+      auto map = [&](int m) {
+        return diffattn::softmax(dt::masked_scores<double>(
+            dt::gather_head(p.q, sq.b, hm.q[m], sq.q0, sq.n),
+            dt::gather_head(p.k, sq.b, hm.k[m], sq.k0, sq.m), p.scale, p.band));
+      };
+      Mat w = map(0);  // (n, m)
+      if (p.kind != dt::AttnKind::plain) {
+        const Mat a2 = map(1);
+        for (index_t i = 0; i < sq.n; ++i)
+          w.row(i) -= dt::row_lambda(p, sq.b, sq.q0 + i, oh) * a2.row(i);
+      }
+      const Mat va = dt::gather_head(p.v, sq.b, hm.v, sq.k0, sq.m).cwiseAbs();  // (m, dv)
+      for (index_t i = 0; i < sq.n; ++i) {
+        const index_t j0 = p.band.begin(i, sq.n, sq.m), n = p.band.count(i, sq.n, sq.m);
+        for (index_t c = 0; c < p.value_dim; ++c)
+          p.out(sq.b, sq.q0 + i, oh, c) =
+              n > 0 ? w.row(i).segment(j0, n).cwiseAbs().dot(va.col(c).segment(j0, n)) : 0.0;
+      }
+    }
+}
+
+/// Over the checks of bf16 W V so far, for the report at the end of a run
+/// (DIFFATTN_TEST_REPORT): the largest |out - y| / bound, and the largest
+/// max |out - y| / max |y|.
+double g_worst_wv = 0, g_worst_rel = 0;
+
 /// A (B, N, H, D) tensor held in (B, H, N, D) memory: the strided view the
 /// kernels see, and a contiguous copy of what it holds.
 template <class T>
@@ -184,7 +244,8 @@ template <class S>
 void check_results(const Tensor<S, 4>& out_s, const Tensor<float, 3>& lse_s,
                    const Tensor<float, 4>& out_f, const Tensor<float, 3>& lse_f,
                    const Tensor<float, 4>& naive_f, const Tensor<double, 4>& ref,
-                   const Tensor<double, 3>& lse_ref, bool bitwise) {
+                   const Tensor<double, 3>& lse_ref, bool bitwise,
+                   const Tensor<double, 4>* mag = nullptr) {
   if (bitwise) {
     REQUIRE(test::bitwise_equal(out_s, cast<S>(out_f)));
     REQUIRE(test::bitwise_equal(lse_s, lse_f));
@@ -194,7 +255,35 @@ void check_results(const Tensor<S, 4>& out_s, const Tensor<float, 3>& lse_s,
   const double e_s = rel_error(out_s, ref), u = unit_roundoff<S>();
   INFO(type_name<S>() << " error " << e_s << ", float " << e_f << ", naive float " << naive);
   REQUIRE(rel_error(out_f, ref) <= float_bound);
-  REQUIRE(e_s <= u * (1 + e_f) + e_f);
+  if (mag) {
+    // W rounded to bf16 for W V: the elementwise bound of the top, asserted
+    // at the element nearest to (or furthest past) its bound.
+    double ymax = 0;
+    for (index_t i = 0; i < ref.size(); ++i) ymax = std::max(ymax, std::abs(ref.data()[i]));
+    index_t worst = 0;
+    double worst_ratio = -1, worst_err = 0, worst_bound = 0;
+    for (index_t i = 0; i < ref.size(); ++i) {
+      const double y = ref.data()[i];
+      const double delta = e_f * ymax + std::ldexp(1.0 + 1.0 / 64, -8) * mag->data()[i];
+      const double bound = u * (std::abs(y) + delta) + delta;
+      const double err = std::abs(static_cast<double>(out_s.data()[i]) - y);
+      const double ratio = std::isnan(err) ? HUGE_VAL : bound > 0 ? err / bound : err > 0 ? HUGE_VAL : 0;
+      if (ratio > worst_ratio) {
+        worst_ratio = ratio;
+        worst = i;
+        worst_err = err;
+        worst_bound = bound;
+      }
+    }
+    INFO("worst element " << worst << ": " << double(out_s.data()[worst]) << " against "
+                          << ref.data()[worst] << ", m " << mag->data()[worst] << ", max |y| "
+                          << ymax << ", error " << worst_err << ", bound " << worst_bound);
+    REQUIRE(worst_err <= worst_bound);
+    g_worst_wv = std::max(g_worst_wv, worst_ratio);
+    g_worst_rel = std::max(g_worst_rel, e_s);
+  } else {
+    REQUIRE(e_s <= u * (1 + e_f) + e_f);
+  }
   for (index_t i = 0; i < lse_ref.size(); ++i) {
     const double want = lse_ref.data()[i];
     if (std::isinf(want))
@@ -235,7 +324,10 @@ void check_forward(Kind kind, const Shape& s, AttentionOptions o, std::uint64_t 
   run<float, false>(kind, xf.q, xf.k, xf.v, xf.logit, out_f, lse_f, o);
   run<float, true>(kind, xf.q, xf.k, xf.v, xf.logit, naive_f, lse_naive, o);
   run<double, true>(kind, xd.q, xd.k, xd.v, xd.logit, ref, lse_ref, o);
-  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6 && !bf16_dot<S>());
+  Tensor<double, 4> mag(os);
+  if (bf16_dot<S>()) abs_wv(kind, xd.q, xd.k, xd.v, xd.logit, mag, o);
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, s.N >= 6 && !bf16_dot<S>(),
+                bf16_dot<S>() ? &mag : nullptr);
 }
 
 AttentionOptions opts(bool causal, index_t window_left = -1) {
@@ -280,6 +372,9 @@ void forward_families(std::uint64_t seed) {
 
 TEST_CASE("bfloat16 storage: every shape family against the float64 reference", "[half]") {
   forward_families<bfloat16>(71000);
+  if (bf16_dot<bfloat16>() && std::getenv("DIFFATTN_TEST_REPORT"))
+    std::printf("bf16 W V: largest |out - y| / bound %.3f, largest max |out - y| / max |y| %.3g\n",
+                g_worst_wv, g_worst_rel);
 }
 
 TEST_CASE("half storage: every shape family against the float64 reference", "[half]") {
@@ -306,10 +401,45 @@ TEST_CASE("16-bit varlen batches equal the float kernel rounded once", "[half][v
     return;
   }
   // bf16 dot products: both kernels within e_f <= 2e-5 of the exact result
-  // (d = 8: the naive float error is near 1e-7), out rounded once more.
+  // (d = 8: the naive float error is near 1e-7), W rounded to bf16 for W V
+  // (m from each packed sequence's own float64 W), out rounded once more:
+  // |out - out_f| <= u (|out_f| + delta) + delta, delta = 2 e_f max |out_f| + 2^-8 (1 + 2^-6) m.
   const double u = unit_roundoff<bfloat16>(), e_f = 2e-5;
-  INFO("bfloat16 varlen against the float kernel: " << rel_error(out, out_f));
-  REQUIRE(rel_error(out, out_f) <= u * (1 + e_f) + 2 * e_f);
+  const auto qd = cast<double>(q), kd = cast<double>(k), vd = cast<double>(v);
+  const auto logitd = cast<double>(logit);
+  Tensor<double, 3> mag({T, H, d});
+  const std::vector<index_t>& cu = seqs.cu_seqlens_q;
+  for (std::size_t sidx = 0; sidx + 1 < cu.size(); ++sidx) {
+    const index_t a = cu[sidx], len = cu[sidx + 1] - a;
+    if (len == 0) continue;
+    auto seq4 = [&](auto& t) {  // rows [a, a + len) of a (T, heads, D) tensor as (1, len, heads, D)
+      using E = std::remove_reference_t<decltype(*t.data())>;
+      const auto st = t.view();
+      return TensorView<E, 4>(t.data() + a * st.stride(0), {1, len, t.shape(1), t.shape(2)},
+                              {len * st.stride(0), st.stride(0), st.stride(1), 1});
+    };
+    const index_t ls0 = logitd.view().stride(0);
+    abs_wv(Kind::v2, seq4(qd), seq4(kd), seq4(vd),
+           TensorView<const double, 3>(logitd.data() + a * ls0, {1, len, H}, {len * ls0, ls0, 1}),
+           seq4(mag), o);
+  }
+  double fmax = 0;
+  for (index_t i = 0; i < out_f.size(); ++i) fmax = std::max(fmax, double(std::abs(out_f.data()[i])));
+  double worst_excess = -HUGE_VAL;  // largest error - bound
+  index_t worst = 0;
+  for (index_t i = 0; i < out.size(); ++i) {
+    const double want = out_f.data()[i];
+    const double delta = 2 * e_f * fmax + std::ldexp(1.0 + 1.0 / 64, -8) * mag.data()[i];
+    const double err = std::abs(double(out.data()[i]) - want);
+    const double excess = std::isnan(err) ? HUGE_VAL : err - (u * (std::abs(want) + delta) + delta);
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      worst = i;
+    }
+  }
+  INFO("element " << worst << ": " << double(out.data()[worst]) << " against "
+                  << out_f.data()[worst] << ", error beyond the bound " << worst_excess);
+  REQUIRE(worst_excess <= 0);
   for (index_t i = 0; i < lse.size(); ++i) {
     const double want = lse_f.data()[i];
     if (std::isinf(want))
@@ -390,6 +520,140 @@ TEST_CASE("bf16 pairs: packing layout, and the dot-product micro-kernel's bound"
         }
     }
 #endif
+  }
+}
+
+TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-kernel",
+          "[half][bf16wv]") {
+  namespace dt = diffattn::detail;
+  constexpr index_t NR = dt::TileConfig<float>::kNR;
+  // Value pairs: keys 2t (low half) and 2t + 1 of feature column c in word t of
+  // panel c / NR; zero for the key after an odd count and beyond the width.
+  for (index_t rows : {1, 2, 7, 64}) {
+    for (index_t width : {3, 32, 45}) {
+      INFO("rows " << rows << " width " << width);
+      const auto v = cast<bfloat16>(random_tensor<float, 2>({rows, width}, 73400 + rows + width));
+      const index_t pairs = dt::bf16_pairs(rows), wp = dt::round_up(width, NR);
+      std::vector<std::uint32_t> panels(static_cast<std::size_t>(pairs * wp), 0xdeadbeefu);
+      dt::pack_value_pairs_from([&](index_t j) { return &v(j, 0); }, rows, width, panels.data());
+      for (index_t j = 0; j < 2 * pairs; ++j)
+        for (index_t c = 0; c < wp; ++c) {
+          const std::uint32_t w = panels[static_cast<std::size_t>((c / NR) * pairs * NR +
+                                                                  (j / 2) * NR + c % NR)];
+          const std::uint32_t want = j < rows && c < width ? v(j, c).value : 0u;
+          REQUIRE(((w >> (16 * (j % 2))) & 0xffffu) == want);
+          const float widened = dt::value_from_pairs(panels.data(), pairs, j, c);
+          REQUIRE(widened == (j < rows && c < width ? static_cast<float>(v(j, c)) : 0.0f));
+        }
+      // One key's values added to a row, as at the band's edges: out += w v_j exactly
+      // (w = 0.5, an exact float product).
+      for (index_t j = 0; j < rows; ++j)
+        for (index_t c0 = 0; c0 < wp; c0 += NR) {
+          std::vector<float> out(static_cast<std::size_t>(NR), 1.0f);
+          dt::add_value_pair_row(panels.data() + c0 * pairs, j, 0.5f, out.data());
+          for (index_t c = 0; c < NR; ++c)
+            REQUIRE(out[static_cast<std::size_t>(c)] ==
+                    1.0f + 0.5f * (c0 + c < width ? static_cast<float>(v(j, c0 + c)) : 0.0f));
+        }
+    }
+  }
+#if defined(__AVX512BF16__)
+  // Rounded weights: to nearest, ties to even (1 + 2^-8 -> 1, 1 + 3 2^-8 ->
+  // 1 + 2^-6), as Eigen's conversion rounds normal floats; words outside
+  // [t0, t1) untouched.
+  {
+    std::vector<float> w(80);
+    diffattn::detail::Rng rng(73500);
+    for (auto& x : w) x = static_cast<float>(rng.normal());
+    w[10] = 1.0f + std::ldexp(1.0f, -8);
+    w[11] = -(1.0f + 3 * std::ldexp(1.0f, -8));
+    w[12] = 0.0f;
+    w[13] = -0.0f;
+    for (index_t t0 : {0, 3, 5})
+      for (index_t t1 : {5, 6, 21, 37, 40}) {
+        if (t1 < t0) continue;
+        INFO("t0 " << t0 << " t1 " << t1);
+        std::vector<std::uint32_t> out(40, 0x12345678u);
+        dt::round_weight_pairs(w.data(), t0, t1, out.data());
+        for (index_t t = 0; t < 40; ++t) {
+          const std::uint32_t got = out[static_cast<std::size_t>(t)];
+          if (t < t0 || t >= t1) {
+            REQUIRE(got == 0x12345678u);
+            continue;
+          }
+          const std::uint32_t lo = bfloat16(w[static_cast<std::size_t>(2 * t)]).value;
+          const std::uint32_t hi = bfloat16(w[static_cast<std::size_t>(2 * t + 1)]).value;
+          REQUIRE(got == (lo | hi << 16));
+        }
+      }
+    REQUIRE(bfloat16(w[10]) == bfloat16(1.0f));
+    REQUIRE(static_cast<float>(bfloat16(w[11])) == -(1.0f + std::ldexp(1.0f, -6)));
+  }
+  // C += W^ V over pairs of keys: a float sum of exact products, added to C,
+  // |got - (C0 + sum_j w^_j v_j)| <= gamma_{keys + 1} (|C0| + sum_j |w^_j v_j|).
+  for (index_t keys : {2, 6, 64, 250}) {
+    INFO("keys " << keys);
+    const index_t pairs = keys / 2, width = NR;
+    const auto wv = cast<bfloat16>(random_tensor<float, 2>({6, keys}, 73600 + keys));
+    const auto v = cast<bfloat16>(random_tensor<float, 2>({keys, width}, 73700 + keys));
+    std::vector<float> wf(static_cast<std::size_t>(6 * keys));
+    for (index_t r = 0; r < 6; ++r)
+      for (index_t j = 0; j < keys; ++j) wf[static_cast<std::size_t>(r * keys + j)] = float(wv(r, j));
+    std::vector<std::uint32_t> a(static_cast<std::size_t>(6 * pairs));
+    for (index_t r = 0; r < 6; ++r)
+      dt::round_weight_pairs(wf.data() + r * keys, 0, pairs, a.data() + r * pairs);
+    dt::ScratchBuffer<std::uint32_t> vb;  // 64-byte aligned, as the kernel's
+    std::uint32_t* panels = vb.get(pairs * NR);
+    dt::pack_value_pairs_from([&](index_t j) { return &v(j, 0); }, keys, width, panels);
+    const index_t ldc = NR + 5;
+    std::vector<float> c(static_cast<std::size_t>(6 * ldc));
+    for (std::size_t i = 0; i < c.size(); ++i) c[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+    const std::vector<float> c0 = c;
+    dt::micro_kernel_bf16_add(pairs, a.data(), pairs, panels, c.data(), ldc);
+    const double uf = std::ldexp(1.0, -24), g = (keys + 1) * uf / (1 - (keys + 1) * uf);
+    for (index_t r = 0; r < 6; ++r)
+      for (index_t col = 0; col < ldc; ++col) {
+        const std::size_t at = static_cast<std::size_t>(r * ldc + col);
+        if (col >= NR) {  // beyond the tile: untouched
+          REQUIRE(c[at] == c0[at]);
+          continue;
+        }
+        double exact = c0[at], abs_sum = std::abs(c0[at]);
+        for (index_t j = 0; j < keys; ++j) {
+          const double pr = double(wv(r, j)) * double(v(j, col));
+          exact += pr;
+          abs_sum += std::abs(pr);
+        }
+        REQUIRE(std::abs(c[at] - exact) <= g * abs_sum);
+      }
+  }
+#endif
+}
+
+TEST_CASE("bfloat16 storage: a non-finite value row stays in the rows that see it",
+          "[half][bf16wv]") {
+  // The band's edges go row by row: a masked (zero) weight never meets the
+  // NaN row, rounded to bf16 or not.
+  for (Kind kind : {Kind::plain, Kind::v2}) {
+    for (index_t window : {index_t(-1), index_t(9)}) {
+      INFO(name(kind) << " window " << window);
+      const Shape s{1, 97, 97, 1, 1, 8};
+      Inputs<bfloat16> xs = make_inputs<bfloat16>(kind, s, 73800);
+      const index_t bad = 41;
+      for (index_t c = 0; c < xs.v.shape(3); ++c)
+        xs.v(0, bad, 0, c) = bfloat16(std::numeric_limits<float>::quiet_NaN());
+      const Dims dm = dims(kind, s.H, s.Hkv, s.d);
+      Tensor<bfloat16, 4> out({1, s.N, dm.oh, dm.dv});
+      Tensor<float, 3> lse({1, dm.qh, s.N});
+      run<bfloat16, false>(kind, xs.q, xs.k, xs.v, xs.logit, out, lse, opts(true, window));
+      for (index_t i = 0; i < s.N; ++i) {
+        const bool sees = i >= bad && (window < 0 || i - bad <= window);
+        for (index_t c = 0; c < dm.dv; ++c) {
+          INFO("row " << i << " column " << c);
+          REQUIRE(std::isnan(static_cast<float>(out(0, i, 0, c))) == sees);
+        }
+      }
+    }
   }
 }
 
@@ -484,10 +748,15 @@ void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, inde
   Tensor<double, 3> lse_ref(ls);
   Tensor<float, 4> naive_f(os);
   Tensor<float, 3> lse_naive(ls);
+  Tensor<double, 4> mag(os);  // bf16 W V: sum_j |w_ij| |v_jc|
+  const Tensor<double, 4>* wv = bf16_dot<S>() ? &mag : nullptr;
   for (index_t b = 0; b < B; ++b) {
     const index_t m = lengths[static_cast<std::size_t>(b)];
     run<double, true>(kind, entry(xd.q, b, n), entry(xd.k, b, m), entry(xd.v, b, m),
                       entry(xd.logit, b), entry(ref, b, n), entry(lse_ref, b), o);
+    if (wv)
+      abs_wv(kind, entry(xd.q, b, n), entry(xd.k, b, m), entry(xd.v, b, m), entry(xd.logit, b),
+             entry(mag, b, n), o);
     run<float, true>(kind, entry(xf.q, b, n), entry(xf.k, b, m), entry(xf.v, b, m),
                      entry(xf.logit, b), entry(naive_f, b, n), entry(lse_naive, b), o);
   }
@@ -499,7 +768,7 @@ void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, inde
   run_kvcache<S, S>(kind, xs, xs.k, xs.v, cache, out_s, lse_s, o);
   // Decoding steps and bf16 dot products order their sums differently (see the top).
   const bool tiled = n >= 6 && !bf16_dot<S>();
-  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, tiled);
+  check_results(out_s, lse_s, out_f, lse_f, naive_f, ref, lse_ref, tiled, wv);
 
   // Paged S caches: bitwise the contiguous result.
   for (index_t bs : {index_t(1), index_t(5), index_t(16)}) {
@@ -523,7 +792,7 @@ void check_kvcache(Kind kind, index_t n, index_t H, index_t Hkv, index_t d, inde
     Tensor<float, 3> lse_sp(ls), lse_fp(ls);
     run_kvcache<S, S>(kind, xs, xs.k, xs.v, split, out_sp, lse_sp, o);
     run_kvcache<float, float>(kind, xf, xf.k, xf.v, split, out_fp, lse_fp, o);
-    check_results(out_sp, lse_sp, out_fp, lse_fp, naive_f, ref, lse_ref, tiled);
+    check_results(out_sp, lse_sp, out_fp, lse_fp, naive_f, ref, lse_ref, tiled, wv);
   }
 
   // Float queries over the S cache: never rounded; the float kernel on the

@@ -33,6 +33,7 @@
 #include "../lambda.hpp"
 #include "../options.hpp"
 #include "bf16_dot.hpp"
+#include "bf16_wv.hpp"
 #include "block_info.hpp"
 #include "convert.hpp"
 #include "decode_kernel.hpp"
@@ -103,8 +104,11 @@ struct FusedRows {
 ///
 /// bfloat16 q and k under AVX512-BF16 (use_bf16_dot, bf16_dot.hpp): queries
 /// and keys are packed as bf16 pairs instead, unscaled and unwidened, and
-/// S = Q K^T runs on bf16 dot products with the scale applied to each score;
-/// the rest is the same.
+/// S = Q K^T runs on bf16 dot products with the scale applied to each score.
+/// With bfloat16 values as well (use_bf16_wv, bf16_wv.hpp), O = W V runs on
+/// them too: values packed as pairs of keys, W rounded to bf16 row by row
+/// after step 4 (lse is the float scores', unaffected), the band's ragged
+/// edges added in float. The rest is the same.
 ///
 /// Steps 4 and 6 go through `rows_do` (FusedRows, or the analysis' measuring
 /// rows).
@@ -125,6 +129,7 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   const bool shared_k = p.kind != AttnKind::v1;  // V2 and plain: one key head
   const HeadMap hm = head_map(p, oh);
   constexpr bool dot = use_bf16_dot<T, KV>;
+  constexpr bool wv16 = use_bf16_wv<T, KV> && std::is_same<C, float>::value;
   const index_t dk = dot ? bf16_pairs(d) : d;  // packed depth: words of bf16 pairs, or floats
 
   // Tile r holds rows [r MR, r MR + MR): the union of their keys is
@@ -179,9 +184,14 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
       else
         pack_rows_transposed_from(key, prows, d, ws.k[m].get(round_up(prows, NR) * d));
     }
-    // Values of the same keys in column panels, read by O = W V.
-    pack_cols_from([&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); }, prows, dv,
-                   ws.v.get(prows * round_up(dv, NR)));
+    // Values of the same keys in column panels, read by O = W V (pairs of
+    // keys per word for bf16 dot products).
+    auto value = [&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); };
+    if constexpr (wv16)
+      pack_value_pairs_from(value, prows, dv,
+                            ws.v_pairs.get(bf16_pairs(prows) * round_up(dv, NR)));
+    else
+      pack_cols_from(value, prows, dv, ws.v.get(prows * round_up(dv, NR)));
     ws.packed_call = call_id;
     ws.packed_seq = seq;
     ws.packed_group = hm.group;
@@ -218,15 +228,36 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
                     maps == 2 ? s[1] + ii * lds + off : nullptr);
   }
 
+  // 4b. bf16 dot products: each row's weights rounded to bf16, as pairs of keys
+  //     (word t: keys kbase + 2t, kbase + 2t + 1). Only whole pairs of keys the
+  //     row sees are written, all that step 5's tiles read; padding rows are zero.
+  const index_t ldp = lds / 2;  // lds is a multiple of kNR, kbase of 2
+  std::uint32_t* wp = nullptr;  // (rows_pad, ldp) words
+  if constexpr (wv16) {
+    wp = ws.w_pairs.get(rows_pad * ldp);
+    for (index_t ii = 0; ii < rows; ++ii) {
+      const index_t n = br.count(ii);
+      if (n <= 0) continue;
+      const index_t off = br.begin(ii) - kbase;
+      const index_t t0 = (off + 1) / 2, t1 = (off + n) / 2;
+      if (t0 < t1) round_weight_pairs(s[0] + ii * lds, t0, t1, wp + ii * ldp);
+    }
+    std::fill(wp + rows * ldp, wp + rows_pad * ldp, 0u);
+  }
+
   // 5. O (rows_pad, dvp) = W V, value chunk by chunk.
   const index_t dvp = round_up(dv, NR);
   C* o = ws.o.get(rows_pad * dvp);
   std::fill(o, o + rows_pad * dvp, C(0));
   {
     // Value panel c0 holds the packed keys' rows at vp + c0 * prows, key j at
-    // row j - packed_begin. Chunks of kBlockN keys keep what the tiles share in L2.
+    // row j - packed_begin (for bf16 dot products: pairs of keys at
+    // vpp + c0 * ppairs, key j in word (j - packed_begin) / 2). Chunks of
+    // kBlockN keys keep what the tiles share in L2.
     const index_t prows = ws.packed_end - ws.packed_begin, pb = ws.packed_begin;
-    const C* vp = ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
+    const index_t ppairs = bf16_pairs(prows);
+    const C* vp = wv16 ? nullptr : ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
+    const std::uint32_t* vpp = wv16 ? ws.v_pairs.get(0) : nullptr;
     for (index_t j0 = kbase; j0 < kend_block; j0 += BN) {
       const index_t j1 = std::min(j0 + BN, kend_block);
       for (index_t r = 0; r < tiles; ++r) {
@@ -243,22 +274,41 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
               if (j < br.begin(ii) || j >= br.end(ii)) continue;
               const C wij = s[0][ii * lds + (j - kbase)];
               C* orow = o + ii * dvp;
-              for (index_t c0 = 0; c0 < dvp; c0 += NR) {
-                const C* vrow = vp + c0 * prows + (j - pb) * NR;
-                for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
+              if constexpr (wv16) {
+                for (index_t c0 = 0; c0 < dvp; c0 += NR)
+                  add_value_pair_row(vpp + c0 * ppairs, j - pb, wij, orow + c0);
+              } else {
+                for (index_t c0 = 0; c0 < dvp; c0 += NR) {
+                  const C* vrow = vp + c0 * prows + (j - pb) * NR;
+                  for (index_t c = 0; c < NR; ++c) orow[c0 + c] += wij * vrow[c];
+                }
               }
             }
         };
-        const index_t sh_lo = std::max(lo, br.begin(r1 - 1)), sh_hi = std::min(hi, br.end(r0));
+        index_t sh_lo = std::max(lo, br.begin(r1 - 1)), sh_hi = std::min(hi, br.end(r0));
+        if constexpr (wv16) {
+          // Whole pairs of keys only (pb and kbase are even): an odd key at
+          // either end goes row by row.
+          sh_lo += sh_lo % 2;
+          sh_hi -= sh_hi % 2;
+        }
         if (sh_lo >= sh_hi) {
           add_rows(lo, hi);
           continue;
         }
         add_rows(lo, sh_lo);
-        const C* a = s[0] + r0 * lds + (sh_lo - kbase);
-        for (index_t c0 = 0; c0 < dvp; c0 += NR)
-          micro_kernel<C>(sh_hi - sh_lo, a, lds, vp + c0 * prows + (sh_lo - pb) * NR, NR,
-                          o + r0 * dvp + c0, dvp, true);
+        if constexpr (wv16) {
+          const std::uint32_t* a = wp + r0 * ldp + (sh_lo - kbase) / 2;
+          for (index_t c0 = 0; c0 < dvp; c0 += NR)
+            micro_kernel_bf16_add((sh_hi - sh_lo) / 2, a, ldp,
+                                  vpp + c0 * ppairs + (sh_lo - pb) / 2 * NR, o + r0 * dvp + c0,
+                                  dvp);
+        } else {
+          const C* a = s[0] + r0 * lds + (sh_lo - kbase);
+          for (index_t c0 = 0; c0 < dvp; c0 += NR)
+            micro_kernel<C>(sh_hi - sh_lo, a, lds, vp + c0 * prows + (sh_lo - pb) * NR, NR,
+                            o + r0 * dvp + c0, dvp, true);
+        }
         add_rows(sh_hi, hi);
       }
     }

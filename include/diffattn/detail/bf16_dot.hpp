@@ -7,7 +7,8 @@
 // accumulator: twice the multiply-adds per instruction, and key panels of half
 // the bytes. It is used only when q and k are both stored as bfloat16 and the
 // build targets AVX512-BF16 (-march=native on such a CPU); everything else
-// (other types, W V, decoding steps) keeps the float path.
+// (other types, decoding steps) keeps the float path; W V of bfloat16
+// values runs on the same instruction (bf16_wv.hpp).
 //
 // Layout. Depth is taken in pairs of bf16, one pair per 32-bit word (element
 // 2t in the low half, 2t + 1 in the high half); an odd depth is padded with a
@@ -103,11 +104,14 @@ inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda
                               const std::uint32_t* b, float* c, index_t ldc, float scale);
 
 #if defined(__AVX512BF16__)
-/// C[r, 0:32] = scale * sum_t A[r, t] . B[t, 0:32] for r < 6, over `pairs`
-/// words: a row r at a + r * lda (words), b a packed key panel (32 words per
-/// step), c row r at c + r * ldc. The float micro-kernel's tile and loop.
-inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda,
-                              const std::uint32_t* b, float* c, index_t ldc, float scale) {
+/// C[r, 0:32] = scale * sum_t A[r, t] . B[t, 0:32] for r < 6 (Accumulate:
+/// C[r, 0:32] += that sum, scale unused), over `pairs` words: a row r at
+/// a + r * lda (words), b a packed panel (32 words per step), c row r at
+/// c + r * ldc. The float micro-kernel's tile and loop. Q K^T stores scaled
+/// scores; W V (bf16_wv.hpp) adds to its output block.
+template <bool Accumulate>
+inline void micro_kernel_bf16_tile(index_t pairs, const std::uint32_t* a, index_t lda,
+                                   const std::uint32_t* b, float* c, index_t ldc, float scale) {
   static_assert(TileConfig<float>::kMR == 6 && TileConfig<float>::kNR == 32,
                 "the bf16 micro-kernel is unrolled for 6 rows of two 16-float packets");
   const std::uint32_t* a0 = a;
@@ -141,12 +145,26 @@ inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda
     c50 = _mm512_dpbf16_ps(c50, x, b0);
     c51 = _mm512_dpbf16_ps(c51, x, b1);
   }
-  const __m512 s = _mm512_set1_ps(scale);
   const __m512 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < 6; ++r) {
-    _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
-    _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
+  if constexpr (Accumulate) {
+    (void)scale;
+    for (int r = 0; r < 6; ++r) {
+      float* cr = c + r * ldc;
+      _mm512_storeu_ps(cr, _mm512_add_ps(_mm512_loadu_ps(cr), acc[r][0]));
+      _mm512_storeu_ps(cr + 16, _mm512_add_ps(_mm512_loadu_ps(cr + 16), acc[r][1]));
+    }
+  } else {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < 6; ++r) {
+      _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
+      _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
+    }
   }
+}
+
+inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda,
+                              const std::uint32_t* b, float* c, index_t ldc, float scale) {
+  micro_kernel_bf16_tile<false>(pairs, a, lda, b, c, ldc, scale);
 }
 #endif
 

@@ -57,6 +57,9 @@ struct Workspace {
   // bf16 dot products (bf16_dot.hpp): q and k as pairs of bf16 per word, in place of q, k.
   ScratchBuffer<std::uint32_t> q_pairs[2];  // (kBlockM, d / 2)
   ScratchBuffer<std::uint32_t> k_pairs[2];  // (keys, d / 2) packed
+  // W V on bf16 dot products (bf16_wv.hpp): values and W as pairs of keys per word, in place of v.
+  ScratchBuffer<std::uint32_t> v_pairs;  // (keys / 2, dv) packed
+  ScratchBuffer<std::uint32_t> w_pairs;  // (kBlockM, keys / 2)
 
   // Which keys k[] and v hold, [packed_begin, packed_end) of one sequence and kv
   // group, so that consecutive blocks of one head skip repacking.
@@ -65,7 +68,8 @@ struct Workspace {
 
   void trim() {
     ScratchBuffer<T>* all[] = {&q[0], &q[1], &k[0], &k[1], &s[0], &s[1], &v, &o, &lse, &row};
-    ScratchBuffer<std::uint32_t>* pairs[] = {&q_pairs[0], &q_pairs[1], &k_pairs[0], &k_pairs[1]};
+    ScratchBuffer<std::uint32_t>* pairs[] = {&q_pairs[0], &q_pairs[1], &k_pairs[0],
+                                             &k_pairs[1], &v_pairs,    &w_pairs};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     for (auto* b : pairs) total += b->bytes();
