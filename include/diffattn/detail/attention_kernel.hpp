@@ -172,14 +172,14 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     const index_t prows = kend_block - pbegin;
     for (int m = 0; m < kbufs; ++m) {
       const index_t kh = hm.k[m];
-      auto key = [&](index_t r) { return p.key_row(sq, pbegin + r, kh); };
+      auto key = [&](index_t r) { return p.packed_key_row(sq, pbegin + r, kh); };
       if constexpr (dot)
         pack_pairs_transposed_from(key, prows, d, ws.k_pairs[m].get(round_up(prows, NR) * dk));
       else
         pack_rows_transposed_from(key, prows, d, ws.k[m].get(round_up(prows, NR) * d));
     }
     // Values of the same keys in column panels, read by O = W V.
-    pack_cols_from([&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); }, prows, dv,
+    pack_cols_from([&](index_t r) { return p.packed_value_row(sq, pbegin + r, hm.v); }, prows, dv,
                    ws.v.get(prows * round_up(dv, NR)));
     ws.packed_call = call_id;
     ws.packed_seq = seq;

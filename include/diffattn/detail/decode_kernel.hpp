@@ -345,7 +345,8 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre,
     for (; t < dv; ++t)
       for (int i = 0; i < R; ++i) {
         C sum = o[i * ostep + t];
-        for (index_t u = 0; u < U; ++u) sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
+        for (index_t u = 0; u < U; ++u)
+          sum += w[i * wstep + u] * widen_scalar<C>(vrows[u][off + t]);
         o[i * ostep + t] = sum;
       }
   }
@@ -510,6 +511,26 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
   }
 }
 
+/// 8-bit caches: the scales of keys [j0, j0 + jn) for `heads` heads, each
+/// times kv_unit<KV>(), transposed to dst[h P + jj] (zero from jn to P), as
+/// the step folds them into a block's scores or weights. scales_of(j): key
+/// j's scales, head h at [h hstride]. Returns false if one is not scale_ok.
+template <class KV, index_t P, class ScalesOf>
+EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, index_t jn,
+                                      index_t heads, index_t hstride, float* dst) {
+  bool ok = true;
+  for (index_t jj = 0; jj < jn; ++jj) {
+    const float* sc = scales_of(j0 + jj);
+    for (index_t h = 0; h < heads; ++h) {
+      const float x = sc[h * hstride];
+      ok &= scale_ok<KV>(x);
+      dst[h * P + jj] = x * kv_unit<KV>();
+    }
+  }
+  for (index_t h = 0; jn < P && h < heads; ++h) std::fill(dst + h * P + jn, dst + h * P + P, 0.0f);
+  return ok;
+}
+
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them.
@@ -527,7 +548,12 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
 /// head with the outputs loaded and stored for each key (2x with the K/V rows
 /// in L2).
 ///
-/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>.
+/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>. An
+/// 8-bit row is widened in registers as it is read (quant.hpp's units), and
+/// its scale applied where the step already multiplies: to a block's scores
+/// of its key head after their lanes are summed (one product per score) and
+/// to its weights before the V pass (one per weight), so the products over
+/// the features run as for any other row.
 template <class T, class KV, class C>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
@@ -580,9 +606,23 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   if (kh > 1 && dl.per_group != kh && kg > kh) kg = 1;
   const KV* rows[P];  // the key (then value) rows of a block of keys
   const KV* pre[P];   // and those to prefetch
+  // 8-bit caches: a block's scales, (heads, P) (the packing buffers are free
+  // in a decoding step; a later block of the same call repacks).
+  constexpr bool quant = is_8bit_storage_v<KV>;
+  bool scales_ok = true;
+  float* ksc = nullptr;
+  float* vsc = nullptr;
+  if constexpr (quant) {
+    ksc = ws.k[0].get(nkh * P);
+    vsc = ws.k[1].get(dl.groups * P);
+    ws.packed_call = 0;
+  }
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
+    if constexpr (quant)
+      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.key_scales(sq, j); }, j0, jn, nkh,
+                                       p.k_scale.stride(2), ksc);
     index_t hk0 = 0;  // key heads [0, hk0) read kg at a time
     for (; kg > 1 && hk0 + kg <= nkh; hk0 += kg) {
       const index_t g = hk0 / kh, slot = hk0 % kh;
@@ -604,7 +644,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
             const C* qr = qs + (r0 + m * rstep) * d;
             for (index_t jj = 0; jj < jn; ++jj) {
               C sum = 0;
-              for (index_t t = dp; t < d; ++t) sum += qr[t] * static_cast<C>(rows[jj][off + t]);
+              for (index_t t = dp; t < d; ++t) sum += qr[t] * widen_scalar<C>(rows[jj][off + t]);
               tails[(r0 + m * rstep) * P + jj] = sum;
             }
           }
@@ -615,6 +655,17 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       if (jn < P) std::fill(part + r * P * P + jn * P, part + (r + 1) * P * P, C(0));
       reduce_keys(part + r * P * P, sr);
       for (index_t jj = 0; tails && jj < jn; ++jj) sr[jj] += tails[r * P + jj];
+    }
+    if constexpr (quant) {
+      // Lane l reads key head g kh + (l % per_group) % kh, g = l / per_group.
+      using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
+      using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
+      index_t g = 0, m = 0;
+      for (index_t l = 0; l < dl.lanes; ++l) {
+        const ConstBlock f(ksc + (g * kh + (kh == 2 ? (m & 1) : 0)) * P);
+        for (index_t ii = 0; ii < n; ++ii) Block(s + (l * n + ii) * lds + (j0 - jlo)) *= f;
+        if (++m == dl.per_group) m = 0, ++g;
+      }
     }
   }
 
@@ -649,6 +700,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
+    if constexpr (quant) {
+      // Each row's weights of the block times its value head's scales.
+      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn,
+                                       dl.groups, p.v_scale.stride(2), vsc);
+      using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
+      using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
+      for (index_t g = 0; g < dl.groups; ++g) {
+        const ConstBlock f(vsc + g * P);
+        for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r)
+          Block(s + r * lds + (j0 - jlo)) *= f;
+      }
+    }
     index_t g0 = 0;  // kv groups [0, g0) read vg at a time
     for (; vg > 1 && g0 + vg <= dl.groups; g0 += vg)
       for (index_t ii = 0; ii < n; ++ii) {
@@ -669,6 +732,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       }
     }
   }
+  if (!scales_ok) p.report_bad_scale();
 }
 
 /// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
