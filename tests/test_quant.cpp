@@ -373,7 +373,7 @@ void reference(const Case& c, const Tensor<T, 4>& q, const Tensor<T, 4>& k, cons
 /// own error max |v^ - v|. A DIFF head: map 1's bound plus |lambda| map 2's.
 /// Here eps and the value error are the largest over all rows and heads.
 template <class Q>
-double quant_bound(const Case& c, const Inputs& in, const Quantized<Q>& qz) {
+double quant_bound(const Case& c, const Inputs& in, const Quantized<Q>& qz, bool vnni) {
   const bool i8 = std::is_same<Q, std::int8_t>::value;
   auto elem_err = [&](double x, double s) {
     return i8 ? s / 2 * (1 + 1e-5) : std::max(std::ldexp(std::abs(x), -4), std::ldexp(s, -10));
@@ -385,9 +385,14 @@ double quant_bound(const Case& c, const Inputs& in, const Quantized<Q>& qz) {
       for (index_t h = 0; h < in.q.shape(2); ++h)
         for (index_t j = 0; j < in.k.shape(1); ++j)
           for (index_t kh = 0; kh < in.k.shape(2); ++kh) {
-            double e = 0;
-            for (index_t t = 0; t < c.d; ++t)
+            double e = 0, qmax = 0, k1 = 0;
+            for (index_t t = 0; t < c.d; ++t) {
               e += std::abs(in.q(b, i, h, t)) * elem_err(in.k(b, j, kh, t), qz.c.ks(b, j, kh));
+              qmax = std::max(qmax, std::abs(static_cast<double>(in.q(b, i, h, t))));
+              k1 += std::abs(qz.kd(b, j, kh, t));
+            }
+            // VNNI: the scaled query's own quantization, max |qs| / 510 per feature.
+            if (vnni) e += qmax / 510 * (1 + 1e-5) * k1;
             eps = std::max(eps, scale * e);
           }
   double vmax = 0, verr = 0;
@@ -416,12 +421,36 @@ void check_case(const Case& c, std::uint64_t seed) {
   const AttentionOptions o = options_of(c);
 
   // The float64 reference on the dequantized cache, and float's naive error.
+  // Where the step takes the key products in int8 (VNNI), it quantizes each
+  // scaled query row (detail::quantize_query_u8): the reference then runs on
+  // those queries (scale 1), so that the kernel's error is float rounding.
+  const bool vnni = c.n < 6 && diffattn::detail::decode_uses_vnni<float, Q>(c.d);
   const Tensor<double, 4> qd = test::cast<double>(in.q);
   const Tensor<double, 3> logit_d = test::cast<double>(in.logit);
+  Tensor<double, 4> qref = qd;
+  AttentionOptions oref = o;
+  if (vnni) {
+    const float tau = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    oref.scale = 1.0;
+    std::vector<float> row(static_cast<std::size_t>(c.d));
+    std::vector<std::uint8_t> qa(static_cast<std::size_t>(c.d));
+    std::uint64_t masks[2] = {0, 0};
+    for (index_t b = 0; b < B; ++b)
+      for (index_t i = 0; i < c.n; ++i)
+        for (index_t h = 0; h < dm.qh; ++h) {
+          for (index_t t = 0; t < c.d; ++t) row[static_cast<std::size_t>(t)] = tau * in.q(b, i, h, t);
+          const double sq = diffattn::detail::quantize_query_u8(row.data(), c.d, qa.data(), masks);
+          for (index_t t = 0; t < c.d; ++t) {
+            const bool neg = (masks[t / 64] >> (t % 64)) & 1u;
+            qref(b, i, h, t) = (neg ? -sq : sq) * qa[static_cast<std::size_t>(t)];
+          }
+        }
+  }
   Tensor<double, 4> ref(os);
-  reference<double>(c, qd, qz.kd, qz.vd, logit_d, in.lambda, in.seqlens, ref, o);
+  reference<double>(c, qref, qz.kd, qz.vd, logit_d, in.lambda, in.seqlens, ref, oref);
   Tensor<float, 4> naive(os);
-  reference<float>(c, in.q, qz.kf, qz.vf, in.logit, in.lambda, in.seqlens, naive, o);
+  reference<float>(c, test::cast<float>(qref), qz.kf, qz.vf, in.logit, in.lambda, in.seqlens, naive,
+                   oref);
   const double naive_err = rel_error(naive, ref);
 
   KVCacheBatch cache;
@@ -441,7 +470,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   Tensor<float, 4> deq_out(os);
   Tensor<float, 3> deq_lse(ls);
   run_kernel<float, float>(c, in, qz.kf, qz.vf, plain_cache, deq_out, deq_lse, in.q, in.logit, o);
-  REQUIRE(rel_error(got, deq_out) <= std::max(4 * naive_err, 4e-5));
+  if (!vnni) REQUIRE(rel_error(got, deq_out) <= std::max(4 * naive_err, 4e-5));
 
   // Against the unquantized cache: within the propagated quantization bound.
   Tensor<double, 4> exact(os);
@@ -450,7 +479,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   double worst = 0;
   for (index_t i = 0; i < got.size(); ++i)
     worst = std::max(worst, std::abs(got.data()[i] - exact.data()[i]));
-  const double bound = quant_bound<Q>(c, in, qz);
+  const double bound = quant_bound<Q>(c, in, qz, vnni);
   INFO("error vs the unquantized cache " << worst << ", bound " << bound);
   REQUIRE(worst <= bound);
 
@@ -464,7 +493,7 @@ void check_case(const Case& c, std::uint64_t seed) {
     Tensor<double, 4> ref_b(os);
     reference<double>(c, test::cast<double>(test::cast<float>(qb)), qz.kd, qz.vd,
                       test::cast<double>(test::cast<float>(lb)), in.lambda, in.seqlens, ref_b, o);
-    REQUIRE(rel_error(out_b, ref_b) <= std::max(2 * naive_err, 2e-5) + 1.0 / 128);
+    REQUIRE(rel_error(out_b, ref_b) <= std::max(2 * naive_err, 2e-5) + (vnni ? 1.0 / 32 : 1.0 / 128));
   }
 
   // Paged: bitwise the contiguous result.
@@ -557,6 +586,28 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
     cache.k_scale = ks;
     test::require_error([&] { run(cache); }, {"k_scale", "-2", "key 5", "sequence 0"});
     cache.k_scale = qz.c.ks;
+  }
+  // 8 kv heads, whole blocks of 16 keys: the scales read as 16 x 8 blocks
+  // (AVX-512) are checked too.
+  {
+    const Case c8{Kind::v2, 1, 8, 8, 64, 40, {40}};
+    const Inputs in8 = make_inputs(c8, 4);
+    const Quantized<std::int8_t> q8 = quantize<std::int8_t>(in8.k, in8.v);
+    Tensor<float, 4> out8({1, 1, 8, 64});
+    for (int which = 0; which < 2; ++which) {
+      Tensor<float, 3> ks = q8.c.ks, vs = q8.c.vs;
+      (which ? vs : ks)(0, 21, 5) = std::numeric_limits<float>::quiet_NaN();
+      KVCacheBatch cb;
+      cb.cache_seqlens = in8.seqlens;
+      cb.k_scale = ks;
+      cb.v_scale = vs;
+      test::require_error(
+          [&] {
+            diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in8.q, q8.c.k, q8.c.v, in8.logit,
+                                                                   out8, {}, cb, {});
+          },
+          {which ? "v_scale" : "k_scale", "key 21", "head 5"});
+    }
   }
   // e4m3: a scale whose 2^8 multiple overflows.
   {
