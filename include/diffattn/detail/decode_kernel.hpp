@@ -824,15 +824,18 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   std::uint8_t* qa = nullptr;
   std::uint64_t* qm = nullptr;
   C* qscale = nullptr;
-  if (vnni) {
-    C* buf = ws.q[1].get(R * d / 4 + 2 * R * DB + 16);
-    qa = reinterpret_cast<std::uint8_t*>(buf);
-    qm = reinterpret_cast<std::uint64_t*>(buf + round_up(R * d / 4, 2));
-    qscale = ws.row.get(R);
-    for (index_t r = 0; r < R; ++r) {
-      std::uint64_t masks[2];
-      qscale[r] = quantize_query_u8(qs + r * d, d, qa + r * d, masks);
-      std::memcpy(qm + r * DB, masks, static_cast<std::size_t>(DB) * sizeof(std::uint64_t));
+  (void)qa, (void)qm, (void)qscale;
+  if constexpr (decode_vnni_keys<T, KV>) {
+    if (vnni) {
+      C* buf = ws.q[1].get(R * d / 4 + 2 * R * DB + 16);
+      qa = reinterpret_cast<std::uint8_t*>(buf);
+      qm = reinterpret_cast<std::uint64_t*>(buf + round_up(R * d / 4, 2));
+      qscale = ws.row.get(R);
+      for (index_t r = 0; r < R; ++r) {
+        std::uint64_t masks[2];
+        qscale[r] = quantize_query_u8(qs + r * d, d, qa + r * d, masks);
+        std::memcpy(qm + r * DB, masks, static_cast<std::size_t>(DB) * sizeof(std::uint64_t));
+      }
     }
   }
 
