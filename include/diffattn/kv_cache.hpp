@@ -8,6 +8,7 @@
 
 #include "config.hpp"
 #include "detail/format.hpp"
+#include "float8.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -30,9 +31,17 @@ DIFFATTN_BEGIN_NAMESPACE
 /// what a layer uses to append; engines that build their own layers can use
 /// them too. Rows outside the storage, or more rows than the last reserve()
 /// made room for, throw diffattn::error and change nothing.
+///
+/// 8-bit caches (T = std::int8_t or float8_e4m3) also hold one float scale
+/// per (token, head) row: key scales (B, rows, Hk) and value scales (B, rows,
+/// Hv) beside the rows (key_scales(), key_scale_rows(), ...; see
+/// quantize_rows), moved and dropped with them; bytes() counts them.
 template <class T>
 class KVCache {
  public:
+  /// True for an 8-bit cache, which holds scales beside its rows.
+  static constexpr bool quantized = is_8bit_storage_v<T>;
+
   KVCache() = default;
 
   /// A cache for `batch` sequences of at most `capacity` tokens with
@@ -52,6 +61,10 @@ class KVCache {
     const index_t rows = keep < 0 ? capacity : std::min(capacity, 2 * (keep + 1));
     k_ = Tensor<T, 4>({batch, rows, k_heads, k_dim});
     v_ = Tensor<T, 4>({batch, rows, v_heads, v_dim});
+    if (quantized) {
+      ks_ = Tensor<float, 4>({batch, rows, k_heads, 1});
+      vs_ = Tensor<float, 4>({batch, rows, v_heads, 1});
+    }
   }
 
   index_t batch() const noexcept { return batch_; }
@@ -65,7 +78,8 @@ class KVCache {
   index_t keep() const noexcept { return keep_; }
   /// Bytes of key and value storage.
   std::size_t bytes() const noexcept {
-    return static_cast<std::size_t>(k_.size() + v_.size()) * sizeof(T);
+    return static_cast<std::size_t>(k_.size() + v_.size()) * sizeof(T) +
+           static_cast<std::size_t>(ks_.size() + vs_.size()) * sizeof(float);
   }
   /// Forgets every token (the storage stays).
   void clear() noexcept { size_ = start_ = end_ = reserved_ = 0; }
@@ -74,6 +88,10 @@ class KVCache {
   /// oldest first.
   TensorView<const T, 4> keys() const { return rows_of(k_, start_, stored()); }
   TensorView<const T, 4> values() const { return rows_of(v_, start_, stored()); }
+  /// 8-bit caches: the scales of the held keys (B, stored(), Hk) and values
+  /// (B, stored(), Hv); empty views for other caches.
+  TensorView<const float, 3> key_scales() const { return scales_of(ks_, start_, stored()); }
+  TensorView<const float, 3> value_scales() const { return scales_of(vs_, start_, stored()); }
 
   /// Most tokens one reserve() may take: everything up to capacity, or with
   /// a window the room left beside the kept rows.
@@ -94,6 +112,10 @@ class KVCache {
       const index_t kept = std::min(stored(), keep_);
       move_rows(k_, end_ - kept, kept);
       move_rows(v_, end_ - kept, kept);
+      if (quantized) {
+        move_rows(ks_, end_ - kept, kept);
+        move_rows(vs_, end_ - kept, kept);
+      }
       start_ = 0;
       end_ = kept;
     }
@@ -110,6 +132,16 @@ class KVCache {
     check_rows("KVCache::value_rows", row, n);
     return rows_of(v_, row, n);
   }
+  /// 8-bit caches: writable scales of rows [row, row + n), (B, n, Hk) and
+  /// (B, n, Hv), as key_rows and value_rows (empty views for other caches).
+  TensorView<float, 3> key_scale_rows(index_t row, index_t n) {
+    check_rows("KVCache::key_scale_rows", row, n);
+    return scales_of(ks_, row, n);
+  }
+  TensorView<float, 3> value_scale_rows(index_t row, index_t n) {
+    check_rows("KVCache::value_scale_rows", row, n);
+    return scales_of(vs_, row, n);
+  }
   /// Keys and values of the held rows and the n reserved ones after them:
   /// what the queries of those n tokens attend to (0 <= n <= the last reserve).
   TensorView<const T, 4> keys_with(index_t n) const {
@@ -119,6 +151,15 @@ class KVCache {
   TensorView<const T, 4> values_with(index_t n) const {
     check_reserved("KVCache::values_with", n);
     return rows_of(v_, start_, stored() + n);
+  }
+  /// 8-bit caches: the scales of keys_with(n) and values_with(n).
+  TensorView<const float, 3> key_scales_with(index_t n) const {
+    check_reserved("KVCache::key_scales_with", n);
+    return scales_of(ks_, start_, stored() + n);
+  }
+  TensorView<const float, 3> value_scales_with(index_t n) const {
+    check_reserved("KVCache::value_scales_with", n);
+    return scales_of(vs_, start_, stored() + n);
   }
   /// Appends n of the reserved tokens (0 <= n <= the last reserve); with a
   /// window, rows no query will read again are dropped from the front.
@@ -163,13 +204,30 @@ class KVCache {
   static TensorView<T, 4> rows_of(Tensor<T, 4>& t, index_t row, index_t n) {
     return rows_view<T>(t.data(), t.shape(), row, n);
   }
+  // Scales (B, rows, H, 1) as (B, n, H) views; empty views when not held.
+  template <class U>
+  static TensorView<U, 3> scale_view(U* base, const std::array<index_t, 4>& shape, index_t row,
+                                     index_t n) {
+    if (!quantized) return TensorView<U, 3>();
+    const TensorView<U, 4> v = rows_view<U>(base, shape, row, n);
+    return TensorView<U, 3>(v.data(), {v.shape(0), v.shape(1), v.shape(2)},
+                            {v.stride(0), v.stride(1), v.stride(2)});
+  }
+  static TensorView<const float, 3> scales_of(const Tensor<float, 4>& t, index_t row, index_t n) {
+    return scale_view<const float>(t.data(), t.shape(), row, n);
+  }
+  static TensorView<float, 3> scales_of(Tensor<float, 4>& t, index_t row, index_t n) {
+    return scale_view<float>(t.data(), t.shape(), row, n);
+  }
   // Rows [from, from + n) to [0, n) of every batch entry (regions may overlap).
-  static void move_rows(Tensor<T, 4>& t, index_t from, index_t n) {
+  template <class U>
+  static void move_rows(Tensor<U, 4>& t, index_t from, index_t n) {
     if (n == 0 || from == 0) return;
     const index_t row = t.shape(2) * t.shape(3);
     for (index_t b = 0; b < t.shape(0); ++b) {
-      T* base = t.data() + b * t.shape(1) * row;
-      std::memmove(base, base + from * row, static_cast<std::size_t>(n * row) * sizeof(T));
+      U* base = t.data() + b * t.shape(1) * row;
+      std::memmove(static_cast<void*>(base), base + from * row,
+                   static_cast<std::size_t>(n * row) * sizeof(U));
     }
   }
 
@@ -178,6 +236,7 @@ class KVCache {
   index_t start_ = 0, end_ = 0;  // held rows [start_, end_)
   index_t reserved_ = 0;         // rows the last reserve() made room for
   Tensor<T, 4> k_, v_;           // (B, rows, Hk, dk), (B, rows, Hv, dv)
+  Tensor<float, 4> ks_, vs_;     // 8-bit: (B, rows, Hk, 1), (B, rows, Hv, 1); else empty
 };
 
 DIFFATTN_END_NAMESPACE

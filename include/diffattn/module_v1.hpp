@@ -163,7 +163,9 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   /// the cache is full, was made for another layer or another batch size. A
   /// 16-bit cache (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is
   /// read by the kernel in compute_type, the new keys and values rounded to S
-  /// when appended.
+  /// when appended; an 8-bit one (make_cache<std::int8_t>, <float8_e4m3>)
+  /// gets them quantized per row with their scales, and a non-finite key or
+  /// value throws, changing nothing.
   template <class S>
   Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
     this->check_cache(x, cache);
@@ -180,7 +182,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
         diff_attention_v1<C>(detail::module_rows(q, a, np), keys, values, lambda,
                              detail::module_rows(attn, a, np), o);
       } else {  // every sequence holds all of keys: the cache kernel reads S rows
-        const detail::FullCache full(b, keys.shape(1));
+        const detail::FullCache full(b, cache, np);
         diff_attention_v1_kvcache<C, S>(detail::module_rows(q, a, np), keys, values, lambda,
                                         detail::module_rows(attn, a, np), {}, full.batch, o);
       }

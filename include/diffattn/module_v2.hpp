@@ -123,7 +123,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
                              detail::module_rows(logit, a, np), detail::module_rows(attn, a, np),
                              o);
       } else {  // every sequence holds all of keys: the cache kernel reads S rows
-        const detail::FullCache full(b, keys.shape(1));
+        const detail::FullCache full(b, cache, np);
         diff_attention_v2_kvcache<C, S>(detail::module_rows(q, a, np), keys, values,
                                         detail::module_rows(logit, a, np),
                                         detail::module_rows(attn, a, np), {}, full.batch, o);

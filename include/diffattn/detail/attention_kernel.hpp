@@ -178,7 +178,7 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     const index_t prows = kend_block - pbegin;
     for (int m = 0; m < kbufs; ++m) {
       const index_t kh = hm.k[m];
-      auto key = [&](index_t r) { return p.key_row(sq, pbegin + r, kh); };
+      auto key = [&](index_t r) { return p.packed_key_row(sq, pbegin + r, kh); };
       if constexpr (dot)
         pack_pairs_transposed_from(key, prows, d, ws.k_pairs[m].get(round_up(prows, NR) * dk));
       else
@@ -186,7 +186,7 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     }
     // Values of the same keys in column panels, read by O = W V (pairs of
     // keys per word for bf16 dot products).
-    auto value = [&](index_t r) { return p.value_row(sq, pbegin + r, hm.v); };
+    auto value = [&](index_t r) { return p.packed_value_row(sq, pbegin + r, hm.v); };
     if constexpr (wv16)
       pack_value_pairs_from(value, prows, dv,
                             ws.v_pairs.get(bf16_pairs(prows) * round_up(dv, NR)));

@@ -12,6 +12,7 @@
 
 #include "../config.hpp"
 #include "../types.hpp"
+#include "quant.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -72,7 +73,8 @@ inline void convert_row(const S* src, index_t n, D* dst) {
 /// The packet of compute type at p (unaligned) from P values stored as S:
 /// a plain load for S = C, Eigen's packet conversion from bfloat16 / half
 /// where the target has one (AVX-512: 16 at a time, AVX: 8), element by
-/// element otherwise.
+/// element otherwise. 8-bit rows (int8, float8_e4m3) widen in the units of
+/// quant.hpp: their scale, times kv_unit<S>(), is the caller's to apply.
 template <class Packet, class S>
 inline Packet pload_widened(const S* p) {
   using C = typename Eigen::internal::unpacket_traits<Packet>::type;
@@ -81,6 +83,8 @@ inline Packet pload_widened(const S* p) {
   constexpr int P = Eigen::internal::unpacket_traits<Packet>::size;
   if constexpr (std::is_same<S, C>::value) {
     return ploadu<Packet>(p);
+  } else if constexpr (is_8bit_storage_v<S>) {
+    return pload_widened_8bit<Packet>(p);  // in units (quant.hpp)
 #if defined(__F16C__)
     // half: the F16C instructions, which Eigen 3.4 does not use under GCC
     // (EIGEN_HAS_FP16_C is left undefined there).

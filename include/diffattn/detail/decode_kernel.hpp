@@ -345,7 +345,8 @@ EIGEN_ALWAYS_INLINE void axpy_keys_n(const S* const* vrows, const S* const* pre,
     for (; t < dv; ++t)
       for (int i = 0; i < R; ++i) {
         C sum = o[i * ostep + t];
-        for (index_t u = 0; u < U; ++u) sum += w[i * wstep + u] * static_cast<C>(vrows[u][off + t]);
+        for (index_t u = 0; u < U; ++u)
+          sum += w[i * wstep + u] * widen_scalar<C>(vrows[u][off + t]);
         o[i * ostep + t] = sum;
       }
   }
@@ -510,6 +511,258 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
   }
 }
 
+/// True when an int8 cache's key products run on VNNI integer dot products
+/// (vpdpbusd, AVX512-VNNI with AVX512-BW and 16-float packets) for head
+/// widths of one or two 64-byte vectors (d = 64 or 128).
+///
+/// Why: widening int8 keys to float costs two instructions per 16 values and
+/// a float FMA per query row, which held the step to the ~12.5 G values/s
+/// per thread that float and bfloat16 rows run at with the rows in L2 (Zen 5,
+/// V2): the speed of the instructions, not of the bytes. vpdpbusd multiplies
+/// 64 byte pairs and adds them into 16 int32 lanes in one instruction.
+///
+/// How: each scaled query row qs is quantized once per step (per chunk) to
+/// |qs_t| / sq rounded to nearest, an unsigned byte (sq = max |qs| / 255), and
+/// its signs kept as a 64-bit mask per 64 features; a key vector is negated
+/// where the query is negative (one masked subtract, exact: stored int8 keys
+/// are never -128), so the products are |q| (unsigned) times the signed key.
+/// The integer sums are exact (at most 64 x 255 x 127 per packet, and below
+/// 2^24: their conversion to float is exact too); the score is that integer
+/// sum times sq times the key's scale. The only error beyond float rounding is
+/// the query's own quantization: |qs_t - sq q_t| <= sq / 2 = max |qs| / 510,
+/// which moves a score by at most sq / 2 sum_t |k^_t| (see the README's
+/// 8-bit section for the bound and the measured errors).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasVnniDots = TileConfig<float>::kPacket == 16;
+#else
+constexpr bool kHasVnniDots = false;
+#endif
+template <class T, class KV>
+constexpr bool decode_vnni_keys =
+    kHasVnniDots && std::is_same<KV, std::int8_t>::value && std::is_same<compute_t<T>, float>::value;
+/// Whether a step of head width d runs its key products on VNNI.
+template <class T, class KV>
+bool decode_uses_vnni(index_t d) {
+  return decode_vnni_keys<T, KV> && (d == 64 || d == 128);
+}
+
+/// The VNNI form of a scaled query row qs (d floats, d = 64 or 128): |qs_t| /
+/// sq rounded to nearest (ties to even, the default mode) as bytes qa, the
+/// signs as d / 64 masks (bit t of mask c: qs_{64 c + t} < 0), sq = max |qs| /
+/// 255 returned (0 for a zero row: then qa is 0). Portable, so that tests can
+/// form the queries the step uses.
+inline float quantize_query_u8(const float* qs, index_t d, std::uint8_t* qa, std::uint64_t* masks) {
+  float amax = 0;
+  for (index_t t = 0; t < d; ++t) amax = std::max(amax, std::abs(qs[t]));
+  const float sq = amax / 255;
+  for (index_t c = 0; c * 64 < d; ++c) masks[c] = 0;
+  for (index_t t = 0; t < d; ++t) {
+    qa[t] = sq > 0 ? static_cast<std::uint8_t>(std::min(255.0f, std::nearbyint(std::abs(qs[t]) / sq)))
+                   : std::uint8_t(0);
+    if (qs[t] < 0) masks[t / 64] |= std::uint64_t(1) << (t % 64);
+  }
+  return sq;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/// partial_dots_gn on VNNI: G consecutive int8 key heads (kstep apart) of U
+/// rows against R query rows each, DB = d / 64 vectors per head; query row
+/// i of head gi at qa + gi qgstep + i qstep (bytes) with masks at qm + gi
+/// mgstep + i mstep; the integer packet of key u, as floats, at part + gi
+/// pgstep + i pstep + 16 u. Out of line as partial_dots_gn.
+template <int G, int R, int DB>
+EIGEN_DONT_INLINE void partial_dots_vnni(const std::int8_t* const* krows,
+                                         const std::int8_t* const* pre, index_t off,
+                                         index_t kstep, index_t U, const std::uint8_t* qa,
+                                         index_t qstep, index_t qgstep, const std::uint64_t* qm,
+                                         index_t mstep, index_t mgstep, float* part,
+                                         index_t pstep, index_t pgstep) {
+  __m512i q[G][R][DB];
+  __mmask64 m[G][R][DB];
+  for (int gi = 0; gi < G; ++gi)
+    for (int i = 0; i < R; ++i)
+      for (int t = 0; t < DB; ++t) {
+        q[gi][i][t] = _mm512_loadu_si512(qa + gi * qgstep + i * qstep + t * 64);
+        m[gi][i][t] = qm[gi * mgstep + i * mstep + t];
+      }
+  const __m512i zero = _mm512_setzero_si512();
+  for (index_t u = 0; u < U; ++u) {
+    const std::int8_t* k = krows[u] + off;
+    if (pre && pre[u])
+      for (int gi = 0; gi < G; ++gi) prefetch_row<0>(in_register(pre[u] + off + gi * kstep), DB * 64);
+    for (int gi = 0; gi < G; ++gi) {
+      const std::int8_t* kh = in_register(k + gi * kstep);
+      __m512i kv[DB];
+      for (int t = 0; t < DB; ++t) kv[t] = _mm512_loadu_si512(kh + t * 64);
+      for (int i = 0; i < R; ++i) {
+        __m512i acc = _mm512_dpbusd_epi32(zero, q[gi][i][0],
+                                          _mm512_mask_sub_epi8(kv[0], m[gi][i][0], zero, kv[0]));
+        for (int t = 1; t < DB; ++t)
+          acc = _mm512_dpbusd_epi32(acc, q[gi][i][t],
+                                    _mm512_mask_sub_epi8(kv[t], m[gi][i][t], zero, kv[t]));
+        _mm512_storeu_ps(part + gi * pgstep + i * pstep + u * 16, _mm512_cvtepi32_ps(acc));
+      }
+    }
+  }
+}
+#endif
+
+/// partial_dots_vnni for G heads of R query rows each (G R DB <= 8 picks a
+/// kernel; otherwise one head at a time, rows four at a time).
+inline void partial_dots_vnni_heads(index_t G, index_t R, index_t DB,
+                                    const std::int8_t* const* krows,
+                                    const std::int8_t* const* pre, index_t off, index_t kstep,
+                                    index_t U, const std::uint8_t* qa, index_t qstep,
+                                    index_t qgstep, const std::uint64_t* qm, index_t mstep,
+                                    index_t mgstep, float* part, index_t pstep, index_t pgstep) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const auto args = [&](auto f, index_t o, const std::int8_t* const* pr, index_t g0, index_t i0) {
+    f(krows, pr, o, kstep, U, qa + g0 * qgstep + i0 * qstep, qstep, qgstep,
+      qm + g0 * mgstep + i0 * mstep, mstep, mgstep, part + g0 * pgstep + i0 * pstep, pstep,
+      pgstep);
+  };
+  if (DB == 1) {
+    if (G == 8 && R == 1) return args(partial_dots_vnni<8, 1, 1>, off, pre, 0, 0);
+    if (G == 4 && R == 2) return args(partial_dots_vnni<4, 2, 1>, off, pre, 0, 0);
+    if (G == 4 && R == 1) return args(partial_dots_vnni<4, 1, 1>, off, pre, 0, 0);
+    if (G == 2 && R == 4) return args(partial_dots_vnni<2, 4, 1>, off, pre, 0, 0);
+    if (G == 2 && R == 2) return args(partial_dots_vnni<2, 2, 1>, off, pre, 0, 0);
+    if (G == 2 && R == 1) return args(partial_dots_vnni<2, 1, 1>, off, pre, 0, 0);
+  } else if (DB == 2) {
+    if (G == 4 && R == 1) return args(partial_dots_vnni<4, 1, 2>, off, pre, 0, 0);
+    if (G == 2 && R == 2) return args(partial_dots_vnni<2, 2, 2>, off, pre, 0, 0);
+    if (G == 2 && R == 1) return args(partial_dots_vnni<2, 1, 2>, off, pre, 0, 0);
+  }
+  // One head at a time, rows four at a time.
+  for (index_t gi = 0; gi < G; ++gi) {
+    const index_t o = off + gi * kstep;
+    for (index_t i = 0; i < R;) {
+      const index_t rc = std::min<index_t>(4, R - i);
+      const std::int8_t* const* pr = gi == 0 && i == 0 ? pre : nullptr;
+      const auto one = [&](auto f) {
+        f(krows, pr, o, 0, U, qa + gi * qgstep + i * qstep, qstep, 0,
+          qm + gi * mgstep + i * mstep, mstep, 0, part + gi * pgstep + i * pstep, pstep, 0);
+      };
+      if (DB == 1) {
+        if (rc == 4) one(partial_dots_vnni<1, 4, 1>);
+        if (rc == 3) one(partial_dots_vnni<1, 3, 1>);
+        if (rc == 2) one(partial_dots_vnni<1, 2, 1>);
+        if (rc == 1) one(partial_dots_vnni<1, 1, 1>);
+      } else {
+        if (rc == 4) one(partial_dots_vnni<1, 4, 2>);
+        if (rc == 3) one(partial_dots_vnni<1, 3, 2>);
+        if (rc == 2) one(partial_dots_vnni<1, 2, 2>);
+        if (rc == 1) one(partial_dots_vnni<1, 1, 2>);
+      }
+      i += rc;
+    }
+  }
+#else
+  (void)G, (void)R, (void)DB, (void)krows, (void)pre, (void)off, (void)kstep, (void)U, (void)qa;
+  (void)qstep, (void)qgstep, (void)qm, (void)mstep, (void)mgstep, (void)part, (void)pstep;
+  (void)pgstep;
+#endif
+}
+
+/// Key heads a VNNI pass reads together: G R DB <= 8 vectors of queries in
+/// registers, at most 512 bytes of the row per pass (as heads_together).
+inline index_t vnni_heads_together(index_t rows, index_t DB) {
+  index_t g = 8;
+  while (g > 1 && (g * rows * DB > 8 || g * 64 * DB > 512)) g /= 2;
+  return g;
+}
+
+/// 8-bit caches: the scales of keys [j0, j0 + jn) for `heads` heads, each
+/// times kv_unit<KV>(), transposed to dst[h P + jj] (zero from jn to P), as
+/// the step folds them into a block's scores or weights. scales_of(j): key
+/// j's scales, head h at [h hstride]. Returns false if one is not scale_ok.
+///
+/// Where the block's scale rows are evenly spaced, `kstride` apart (`even`:
+/// a contiguous cache, or keys of one block of a paged one), and the target
+/// gathers, one gather per head: the scalar transposition cost the int8 step
+/// ~15% of its time with the rows in L2 (V2, 8 kv heads).
+template <class KV, index_t P, class ScalesOf>
+EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, index_t jn,
+                                      index_t heads, index_t hstride, bool even, index_t kstride,
+                                      float* dst) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  if constexpr (P == 16) {
+    if (even && jn == P && heads == 8 && hstride == 1 && kstride == 8) {
+      // 16 keys of 8 heads, packed: a 16 x 8 block transposed by three
+      // rounds of two-source permutes (24 in all; gathering took 3x longer).
+      const float* x = scales_of(j0);
+      __m512 z[8], u[8], v[8];
+      const __m512 limit = _mm512_set1_ps(std::numeric_limits<float>::max() / kv_unit<KV>());
+      __mmask16 ok = 0xFFFF;
+      for (int m = 0; m < 8; ++m) {
+        z[m] = _mm512_loadu_ps(x + 16 * m);
+        ok &= _mm512_cmp_ps_mask(z[m], _mm512_setzero_ps(), _CMP_GE_OQ) &
+              _mm512_cmp_ps_mask(z[m], limit, _CMP_LE_OQ);
+      }
+      const __m512i l1a = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+      const __m512i l1b = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+      const __m512i l2a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i l2b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      const __m512i l3a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      const __m512i l3b = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+      // u[2a], u[2a + 1]: keys 4a .. 4a + 3, heads 0-3 and 4-7, head-major.
+      for (int a = 0; a < 4; ++a) {
+        u[2 * a] = _mm512_permutex2var_ps(z[2 * a], l1a, z[2 * a + 1]);
+        u[2 * a + 1] = _mm512_permutex2var_ps(z[2 * a], l1b, z[2 * a + 1]);
+      }
+      // v: pairs of heads over 8 keys: (h0-1, h2-3) of keys 0-7, of keys
+      // 8-15, then (h4-5, h6-7) of keys 0-7 and of keys 8-15.
+      const int src[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
+      for (int b = 0; b < 4; ++b) {
+        v[2 * b] = _mm512_permutex2var_ps(u[src[b][0]], l2a, u[src[b][1]]);
+        v[2 * b + 1] = _mm512_permutex2var_ps(u[src[b][0]], l2b, u[src[b][1]]);
+      }
+      // Heads 2c, 2c + 1 from the pair's keys 0-7 and 8-15.
+      const int lo[4] = {0, 1, 4, 5}, hi[4] = {2, 3, 6, 7};
+      const __m512 unit = _mm512_set1_ps(kv_unit<KV>());
+      for (int c = 0; c < 4; ++c) {
+        _mm512_storeu_ps(dst + (2 * c) * P,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(v[lo[c]], l3a, v[hi[c]]), unit));
+        _mm512_storeu_ps(dst + (2 * c + 1) * P,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(v[lo[c]], l3b, v[hi[c]]), unit));
+      }
+      return ok == 0xFFFF;
+    }
+    if (even && jn == P && kstride >= 0 && kstride < (index_t(1) << 26) && hstride >= 0) {
+      const float* first = scales_of(j0);
+      const __m512i idx = _mm512_mullo_epi32(
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+          _mm512_set1_epi32(static_cast<int>(kstride)));
+      const __m512 unit = _mm512_set1_ps(kv_unit<KV>());
+      const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+      __mmask16 ok = 0xFFFF;
+      for (index_t h = 0; h < heads; ++h) {
+        const __m512 x = _mm512_i32gather_ps(idx, first + h * hstride, 4);
+        const __m512 y = _mm512_mul_ps(x, unit);
+        ok &= _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ) &
+              _mm512_cmp_ps_mask(y, big, _CMP_LE_OQ);
+        _mm512_storeu_ps(dst + h * P, y);
+      }
+      return ok == 0xFFFF;
+    }
+  }
+#else
+  (void)even;
+  (void)kstride;
+#endif
+  bool ok = true;
+  for (index_t jj = 0; jj < jn; ++jj) {
+    const float* sc = scales_of(j0 + jj);
+    for (index_t h = 0; h < heads; ++h) {
+      const float x = sc[h * hstride];
+      ok &= scale_ok<KV>(x);
+      dst[h * P + jj] = x * kv_unit<KV>();
+    }
+  }
+  for (index_t h = 0; jn < P && h < heads; ++h) std::fill(dst + h * P + jn, dst + h * P + P, 0.0f);
+  return ok;
+}
+
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
 /// dv) normalised over the keys each row sees there, lse (rows); -inf and
 /// zeros for a row that sees none of them.
@@ -527,7 +780,12 @@ EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn,
 /// head with the outputs loaded and stored for each key (2x with the K/V rows
 /// in L2).
 ///
-/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>.
+/// Storage: q holds T, the cache KV; the work is in C = compute_t<T>. An
+/// 8-bit row is widened in registers as it is read (quant.hpp's units), and
+/// its scale applied where the step already multiplies: to a block's scores
+/// of its key head after their lanes are summed (one product per score) and
+/// to its weights before the V pass (one per weight), so the products over
+/// the features run as for any other row.
 template <class T, class KV, class C>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
                    index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
@@ -559,6 +817,28 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     }
   }
 
+  // VNNI key products (int8 caches): each query row quantized once, its
+  // bytes (R, d), sign masks (R, d / 64) and scale (R).
+  const bool vnni = decode_uses_vnni<T, KV>(d);
+  const index_t DB = d / 64;
+  std::uint8_t* qa = nullptr;
+  std::uint64_t* qm = nullptr;
+  C* qscale = nullptr;
+  (void)qa, (void)qm, (void)qscale;
+  if constexpr (decode_vnni_keys<T, KV>) {
+    if (vnni) {
+      C* buf = ws.q[1].get(R * d / 4 + 2 * R * DB + 16);
+      qa = reinterpret_cast<std::uint8_t*>(buf);
+      qm = reinterpret_cast<std::uint64_t*>(buf + round_up(R * d / 4, 2));
+      qscale = ws.row.get(R);
+      for (index_t r = 0; r < R; ++r) {
+        std::uint64_t masks[2];
+        qscale[r] = quantize_query_u8(qs + r * d, d, qa + r * d, masks);
+        std::memcpy(qm + r * DB, masks, static_cast<std::size_t>(DB) * sizeof(std::uint64_t));
+      }
+    }
+  }
+
   // Scores (R, lds) of every row against every key of [jlo, jhi) (a row's
   // keys outside its own range are computed and never used). Row r of
   // (group g, key slot) and query ii is r = (g per_group + slot + m kh) n + ii
@@ -578,13 +858,51 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const index_t kv_bytes = static_cast<index_t>(sizeof(KV));
   index_t kg = dp == d ? heads_together<C>(lanes_per_slot, dp / P, dp * kv_bytes) : 1;
   if (kh > 1 && dl.per_group != kh && kg > kh) kg = 1;
+  // VNNI: heads read together likewise (evenly spaced rows), dividing nkh.
+  index_t kgv = vnni ? vnni_heads_together(lanes_per_slot, DB) : 1;
+  if (kh > 1 && dl.per_group != kh && kgv > kh) kgv = kh;
+  while (kgv > 1 && nkh % kgv != 0) kgv /= 2;
   const KV* rows[P];  // the key (then value) rows of a block of keys
   const KV* pre[P];   // and those to prefetch
+  // 8-bit caches: a block's scales, (heads, P) (the packing buffers are free
+  // in a decoding step; a later block of the same call repacks).
+  constexpr bool quant = is_8bit_storage_v<KV>;
+  bool scales_ok = true;
+  float* ksc = nullptr;
+  float* vsc = nullptr;
+  // Keys [j0, j0 + jn) whose rows (and scales) are evenly spaced.
+  const auto even_rows = [&](index_t a, index_t an) {
+    return p.block_size == 0 || a / p.block_size == (a + an - 1) / p.block_size;
+  };
+  (void)even_rows;
+  if constexpr (quant) {
+    ksc = ws.k[0].get(nkh * P);
+    vsc = ws.k[1].get(dl.groups * P);
+    ws.packed_call = 0;
+  }
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
+    if constexpr (quant)
+      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.key_scales(sq, j); }, j0, jn, nkh,
+                                       p.k_scale.stride(2), even_rows(j0, jn), p.k_scale.stride(1),
+                                       ksc);
     index_t hk0 = 0;  // key heads [0, hk0) read kg at a time
-    for (; kg > 1 && hk0 + kg <= nkh; hk0 += kg) {
+    if constexpr (decode_vnni_keys<T, KV>) {
+      if (vnni) {
+        for (; hk0 < nkh; hk0 += kgv) {
+          const index_t g = hk0 / kh, slot = hk0 % kh;
+          for (index_t ii = 0; ii < n; ++ii) {
+            const index_t r0 = (g * dl.per_group + slot) * n + ii;
+            partial_dots_vnni_heads(kgv, lanes_per_slot, DB, rows, ii ? nullptr : pre, hk0 * ksh,
+                                    ksh, jn, qa + r0 * d, rstep * d, hstep * d, qm + r0 * DB,
+                                    rstep * DB, hstep * DB, part + r0 * P * P, rstep * P * P,
+                                    hstep * P * P);
+          }
+        }
+      }
+    }
+    for (; !vnni && kg > 1 && hk0 + kg <= nkh; hk0 += kg) {
       const index_t g = hk0 / kh, slot = hk0 % kh;
       for (index_t ii = 0; ii < n; ++ii) {
         const index_t r0 = (g * dl.per_group + slot) * n + ii;
@@ -604,7 +922,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
             const C* qr = qs + (r0 + m * rstep) * d;
             for (index_t jj = 0; jj < jn; ++jj) {
               C sum = 0;
-              for (index_t t = dp; t < d; ++t) sum += qr[t] * static_cast<C>(rows[jj][off + t]);
+              for (index_t t = dp; t < d; ++t) sum += qr[t] * widen_scalar<C>(rows[jj][off + t]);
               tails[(r0 + m * rstep) * P + jj] = sum;
             }
           }
@@ -615,6 +933,23 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       if (jn < P) std::fill(part + r * P * P + jn * P, part + (r + 1) * P * P, C(0));
       reduce_keys(part + r * P * P, sr);
       for (index_t jj = 0; tails && jj < jn; ++jj) sr[jj] += tails[r * P + jj];
+    }
+    if constexpr (quant) {
+      // Lane l reads key head g kh + (l % per_group) % kh, g = l / per_group.
+      using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
+      using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
+      index_t g = 0, m = 0;
+      for (index_t l = 0; l < dl.lanes; ++l) {
+        const ConstBlock f(ksc + (g * kh + (kh == 2 ? (m & 1) : 0)) * P);
+        for (index_t ii = 0; ii < n; ++ii) {
+          Block sb(s + (l * n + ii) * lds + (j0 - jlo));
+          if (vnni)
+            sb *= f * qscale[l * n + ii];
+          else
+            sb *= f;
+        }
+        if (++m == dl.per_group) m = 0, ++g;
+      }
     }
   }
 
@@ -649,6 +984,19 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
+    if constexpr (quant) {
+      // Each row's weights of the block times its value head's scales.
+      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn,
+                                       dl.groups, p.v_scale.stride(2), even_rows(j0, jn),
+                                       p.v_scale.stride(1), vsc);
+      using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
+      using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
+      for (index_t g = 0; g < dl.groups; ++g) {
+        const ConstBlock f(vsc + g * P);
+        for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r)
+          Block(s + r * lds + (j0 - jlo)) *= f;
+      }
+    }
     index_t g0 = 0;  // kv groups [0, g0) read vg at a time
     for (; vg > 1 && g0 + vg <= dl.groups; g0 += vg)
       for (index_t ii = 0; ii < n; ++ii) {
@@ -669,6 +1017,7 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
       }
     }
   }
+  if (!scales_ok) p.report_bad_scale();
 }
 
 /// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head

@@ -13,19 +13,26 @@
 #include <string_view>
 #include <vector>
 
+#include <cstdint>
+
 #include "../config.hpp"
+#include "../float8.hpp"
 #include "../options.hpp"
 #include "../types.hpp"
 
 // Every (query storage T, cache storage KV) pair the forward kernels take:
-// KV is T, or a 16-bit cache (bfloat16, half) under any query type. A call with
-// a pair missing here does not compile under DIFFATTN_DISPATCH (no overload).
-#define DIFFATTN_FORWARD_STORAGE(X)                                            \
-  X(float, float) X(float, ::diffattn::bfloat16) X(float, ::diffattn::half)    \
-  X(double, double) X(double, ::diffattn::bfloat16) X(double, ::diffattn::half) \
-  X(::diffattn::bfloat16, ::diffattn::bfloat16)                                \
-  X(::diffattn::bfloat16, ::diffattn::half) X(::diffattn::half, ::diffattn::half) \
-  X(::diffattn::half, ::diffattn::bfloat16)
+// KV is T, a 16-bit cache (bfloat16, half) under any query type, or an 8-bit
+// cache (int8, e4m3) under float or 16-bit queries. A call with a pair missing
+// here does not compile under DIFFATTN_DISPATCH (no overload).
+#define DIFFATTN_FORWARD_STORAGE(X)                                                      \
+  X(float, float) X(float, ::diffattn::bfloat16) X(float, ::diffattn::half)              \
+  X(double, double) X(double, ::diffattn::bfloat16) X(double, ::diffattn::half)          \
+  X(::diffattn::bfloat16, ::diffattn::bfloat16)                                          \
+  X(::diffattn::bfloat16, ::diffattn::half) X(::diffattn::half, ::diffattn::half)        \
+  X(::diffattn::half, ::diffattn::bfloat16)                                              \
+  X(float, std::int8_t) X(float, ::diffattn::float8_e4m3)                                \
+  X(::diffattn::bfloat16, std::int8_t) X(::diffattn::bfloat16, ::diffattn::float8_e4m3)  \
+  X(::diffattn::half, std::int8_t) X(::diffattn::half, ::diffattn::float8_e4m3)
 
 // The storage types of the backward kernels (16-bit storage is refused there).
 #define DIFFATTN_BACKWARD_STORAGE(X) X(float) X(double)

@@ -116,7 +116,8 @@ struct StridedRows {
 /// up to the next multiple of kNR are zero. Used for K: one panel is the B
 /// operand of S = Q K^T for kNR keys. The source may be stored narrower than
 /// T (a 16-bit cache under float panels): each element is converted once,
-/// here.
+/// here. row(r) is a pointer, or any row with operator[] (an 8-bit row with
+/// its scale, quant.hpp's QuantRow) for which prefetch_row is declared.
 template <class T, class Rows>
 inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t width, T* dst) {
   constexpr index_t nr = TileConfig<T>::kNR;
@@ -126,7 +127,7 @@ inline void pack_rows_transposed_from(const Rows& row_of, index_t rows, index_t 
     for (index_t c = 0; c < nr; ++c) {
       const index_t j = p0 + c;
       if (j < rows) {
-        const auto* row = row_of(j);
+        const auto row = row_of(j);
         // Rows of a strided K lie far apart (one kv head among many), beyond
         // what the hardware prefetcher follows: ask for a row a few ahead.
         if (j + kPrefetchRows < rows) prefetch_row(row_of(j + kPrefetchRows), width);
@@ -158,7 +159,7 @@ inline void pack_cols_from(const Rows& row_of, index_t rows, index_t width, T* d
     const index_t c0 = c * nr;
     const index_t n = std::min(nr, width - c0);
     for (index_t r = 0; r < rows; ++r) {
-      const auto* row = row_of(r) + c0;
+      const auto row = row_of(r) + c0;
       T* out = panel + r * nr;
       if (r + kPrefetchRows < rows) prefetch_row(row_of(r + kPrefetchRows) + c0, n);
       if (n == nr) {  // a whole panel row: a fixed-size copy the compiler inlines

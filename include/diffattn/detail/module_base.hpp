@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../config.hpp"
+#include "../float8.hpp"
 #include "../kv_cache.hpp"
 #include "../packed.hpp"
 #include "../tensor.hpp"
@@ -159,12 +160,17 @@ class ModuleBase {
   /// cache's storage: T, or bfloat16 / half (make_cache<bfloat16>(...)) for a
   /// cache of half the bytes, the keys and values rounded to S as they are
   /// appended (the queries are not), or compute_type (a float cache for a
-  /// 16-bit layer).
+  /// 16-bit layer). A layer computing in float also takes std::int8_t or
+  /// float8_e4m3 (make_cache<std::int8_t>(...)): an 8-bit cache, a quarter of
+  /// float's bytes plus a float scale per (token, head), its keys (after
+  /// rotary) and values quantized per row as they are appended (quantize_rows).
   template <class S = T>
   KVCache<S> make_cache(index_t batch, index_t capacity) const {
     static_assert(std::is_same<S, T>::value || std::is_same<S, compute_type>::value ||
-                      is_half_storage_v<S>,
-                  "make_cache: the cache holds T, compute_type, bfloat16 or half");
+                      is_half_storage_v<S> ||
+                      (is_8bit_storage_v<S> && std::is_same<compute_type, float>::value),
+                  "make_cache: the cache holds T, compute_type, bfloat16 or half, or (layers "
+                  "computing in float) std::int8_t or float8_e4m3");
     if (!derived().config().causal)
       fail_in("make_cache", "a KV cache needs a causal layer (config.causal = true)");
     const ModuleCacheHeads h = derived().cache_heads();

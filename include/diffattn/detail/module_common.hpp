@@ -20,6 +20,7 @@
 #include "../io/safetensors.hpp"
 #include "../kv_cache.hpp"
 #include "../kvcache_attention.hpp"
+#include "../quantize.hpp"
 #include "../tensor.hpp"
 #include "../types.hpp"
 #include "convert.hpp"
@@ -146,7 +147,9 @@ void module_check_cache(const char* fn, const KVCache<S>& cache, const TensorVie
 /// attend(a, np, keys, values): the queries of tokens [a, a + np) attend to
 /// keys and values, every held token followed by the piece's (so a causal
 /// mask aligned bottom-right is the right one). A cache of a narrower type S
-/// (a float layer's bfloat16 cache) gets the keys and values rounded to S.
+/// (a float layer's bfloat16 cache) gets the keys and values rounded to S;
+/// an 8-bit one (int8, e4m3) gets them quantized with their scales
+/// (quantize_rows, which refuses non-finite keys or values before writing).
 ///
 /// If attend (or anything else) throws, the cache is as it was before the
 /// call. One piece needs nothing for that: reserve only moves the held rows
@@ -162,9 +165,14 @@ void module_cache_append(KVCache<S>& cache, Tensor<T, 4>& k, Tensor<T, 4>& v, At
       if (np < 1) fail("KVCache", "no room to append to a cache holding ", cache.size());
       const index_t r = cache.reserve(np);
       TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
-      for (index_t b = 0; b < k.shape(0); ++b) {
-        convert_row(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
-        convert_row(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+      if constexpr (is_8bit_storage_v<S>) {
+        quantize_rows<T, S>(module_rows(k, a, np), kd, cache.key_scale_rows(r, np));
+        quantize_rows<T, S>(module_rows(v, a, np), vd, cache.value_scale_rows(r, np));
+      } else {
+        for (index_t b = 0; b < k.shape(0); ++b) {
+          convert_row(&k(b, a, 0, 0), np * row, &kd(b, 0, 0, 0));
+          convert_row(&v(b, a, 0, 0), np * vrow, &vd(b, 0, 0, 0));
+        }
       }
       attend(a, np, cache.keys_with(np), cache.values_with(np));
       cache.commit(np);
@@ -190,6 +198,13 @@ struct FullCache {
   FullCache(index_t b, index_t keys) : lengths({b}) {
     lengths.fill(keys);
     batch.cache_seqlens = lengths;
+  }
+  /// All the keys of `cache` and its n reserved rows (keys_with(n)), with
+  /// their scales for an 8-bit cache.
+  template <class S>
+  FullCache(index_t b, const KVCache<S>& cache, index_t np) : FullCache(b, cache.stored() + np) {
+    batch.k_scale = cache.key_scales_with(np);
+    batch.v_scale = cache.value_scales_with(np);
   }
   FullCache(const FullCache&) = delete;
   FullCache& operator=(const FullCache&) = delete;

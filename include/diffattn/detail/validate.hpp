@@ -2,17 +2,21 @@
 // turned into an AttentionProblem that the kernels trust.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "../config.hpp"
+#include "../float8.hpp"
 #include "../options.hpp"
 #include "../tensor.hpp"
 #include "../types.hpp"
 #include "format.hpp"
+#include "quant.hpp"
 #include "tile.hpp"
 #include "traits.hpp"
 
@@ -28,18 +32,36 @@ struct SeqSpan {
   index_t b, q0, n, k0, m;
 };
 
+/// Where the kernels report an 8-bit cache's scale they read that is
+/// negative, not finite, or (e4m3) too large to take the factor 2^8 of its
+/// units: the public functions throw after the kernel (kvcache_attention.hpp).
+struct ScaleCheck {
+  std::atomic<bool> bad{false};
+};
+
+/// A scale the kernels take: finite, >= 0, and finite times kv_unit<KV>().
+template <class KV>
+inline bool scale_ok(float s) noexcept {
+  return s >= 0.0f && s * kv_unit<KV>() <= std::numeric_limits<float>::max();
+}
+
 /// A checked problem. Head mapping, with g the kv group of output head oh:
 ///   plain: query head oh,           g = oh / group, key head g,            value head g
 ///   v1:    query heads 2oh, 2oh+1,  g = oh / group, key heads 2g and 2g+1, value head g
 ///   v2:    query heads 2oh, 2oh+1,  g = oh / group, key head g (both maps), value head g
 ///
-/// Storage: q, out and lambda_logit hold T, k and v hold KV (T, or a 16-bit
-/// cache under float or double queries). The kernels compute in C =
+/// Storage: q, out and lambda_logit hold T, k and v hold KV (T, a 16-bit
+/// cache under float or double queries, or an 8-bit cache (int8, e4m3) with
+/// its scales under float or 16-bit queries). The kernels compute in C =
 /// compute_t<T> (float for 16-bit T); lse, lambda and the scale are C.
 template <class T, class KV = T>
 struct AttentionProblem {
-  static_assert(std::is_same<KV, T>::value || is_half_storage_v<KV>,
-                "k and v hold the queries' type, or a 16-bit type (a bfloat16 or half cache)");
+  static_assert(std::is_same<KV, T>::value || is_half_storage_v<KV> ||
+                    (is_8bit_storage_v<KV> && std::is_same<compute_t<T>, float>::value),
+                "k and v hold the queries' type, a 16-bit type (a bfloat16 or half cache), or an "
+                "8-bit type (std::int8_t, float8_e4m3) under float or 16-bit queries");
+  /// 8-bit caches: each (token, head) row has a float scale.
+  static constexpr bool kQuantized = is_8bit_storage_v<KV>;
   using C = compute_t<T>;
   AttnKind kind = AttnKind::plain;
   TensorView<const T, 4> q;
@@ -72,6 +94,10 @@ struct AttentionProblem {
   // Decoding steps (fewer than kMR queries) split their visible keys into
   // chunks of split_keys keys, merged as softmax states (0: never split).
   index_t split_keys = 0;
+  // 8-bit caches: one scale per row of k and v, laid out as k and v without
+  // their last extent ((B, M, H) or (num_blocks, block_size, H)); empty else.
+  TensorView<const float, 3> k_scale, v_scale;
+  ScaleCheck* scale_check = nullptr;  // set by the public functions of 8-bit caches
 
   bool has_lse() const { return lse.data() != nullptr || lse.size() != 0; }
   int maps() const { return kind == AttnKind::plain ? 1 : 2; }
@@ -87,8 +113,41 @@ struct AttentionProblem {
   const KV* key_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(k, sq, j, h); }
   /// Value j of sequence sq, value head h.
   const KV* value_row(const SeqSpan& sq, index_t j, index_t h) const { return row_of(v, sq, j, h); }
+  /// The scales of key j's heads (8-bit caches): head h at [h * stride(2)].
+  const float* key_scales(const SeqSpan& sq, index_t j) const { return row_of(k_scale, sq, j, 0); }
+  const float* value_scales(const SeqSpan& sq, index_t j) const {
+    return row_of(v_scale, sq, j, 0);
+  }
+  /// Key j of key head h as the packing functions read it: the row, or (8-bit
+  /// caches) a QuantRow holding its scale (checked: a bad one is reported to
+  /// scale_check).
+  auto packed_key_row(const SeqSpan& sq, index_t j, index_t h) const {
+    if constexpr (kQuantized)
+      return quant_row(key_row(sq, j, h), key_scales(sq, j)[h * k_scale.stride(2)]);
+    else
+      return key_row(sq, j, h);
+  }
+  auto packed_value_row(const SeqSpan& sq, index_t j, index_t h) const {
+    if constexpr (kQuantized)
+      return quant_row(value_row(sq, j, h), value_scales(sq, j)[h * v_scale.stride(2)]);
+    else
+      return value_row(sq, j, h);
+  }
+  /// Reports a scale outside scale_ok to scale_check.
+  void report_bad_scale() const {
+    if (scale_check) scale_check->bad.store(true, std::memory_order_relaxed);
+  }
 
  private:
+  QuantRow<KV> quant_row(const KV* row, float row_scale) const {
+    if (!scale_ok<KV>(row_scale)) report_bad_scale();
+    return {row, row_scale * kv_unit<KV>()};
+  }
+  template <class U>
+  const U* row_of(const TensorView<const U, 3>& t, const SeqSpan& sq, index_t j, index_t h) const {
+    if (block_size == 0) return &t(sq.b, sq.k0 + j, h);
+    return &t(block_table(sq.b, j / block_size), j % block_size, h);
+  }
   const KV* row_of(const TensorView<const KV, 4>& t, const SeqSpan& sq, index_t j,
                    index_t h) const {
     if (block_size == 0) return &t(sq.b, sq.k0 + j, h, 0);
