@@ -40,26 +40,6 @@ using diffattn::bfloat16;
 using diffattn::float8_e4m3;
 using diffattn::KVCacheBatch;
 
-float stream_read(const float* p, index_t n, int threads) {
-  using Packet = diffattn::detail::TileConfig<float>::Packet;
-  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
-  float sink = 0;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
-#endif
-  for (index_t c = 0; c < n / 4096; ++c) {
-    using namespace Eigen::internal;
-    const float* b = p + c * 4096;
-    Packet a[8];
-    for (auto& x : a) x = pset1<Packet>(0.f);
-    for (index_t i = 0; i < 4096; i += 8 * P)
-      for (int u = 0; u < 8; ++u) a[u] = padd(a[u], ploadu<Packet>(b + i + u * P));
-    for (int u = 1; u < 8; ++u) a[0] = padd(a[0], a[u]);
-    sink += predux(a[0]);
-  }
-  return sink;
-}
-
 enum class Kind { v1, v2, plain };
 
 struct Layer {
