@@ -1,7 +1,8 @@
-// The Differential Transformer paper's attention measurements as functions:
-// attention mass on a key span (the needle) versus the rest, the largest
-// attention logits, row entropy, the attention output's RMS per head ("context
-// RMS", DIFF V2), and the output under k-bit quantised logits.
+/// \file
+/// The Differential Transformer paper's attention measurements as functions:
+/// attention mass on a key span (the needle) versus the rest, the largest
+/// attention logits, row entropy, the attention output's RMS per head ("context
+/// RMS", DIFF V2), and the output under k-bit quantised logits.
 #pragma once
 
 #include <algorithm>

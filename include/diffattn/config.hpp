@@ -1,4 +1,5 @@
-// diffattn: version, namespace and the index type.
+/// \file
+/// diffattn: version, namespace and the index type.
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,5 @@
-// The materialised single-head differential attention map W = A1 - lambda A2.
+/// \file
+/// The materialised single-head differential attention map W = A1 - lambda A2.
 #pragma once
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// diffattn::error, the one exception type thrown at the public boundary.
+/// \file
+/// diffattn::error, the one exception type thrown at the public boundary.
 #pragma once
 
 #include <stdexcept>

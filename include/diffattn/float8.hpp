@@ -1,5 +1,6 @@
-// float8_e4m3: the 8-bit floating-point storage type of the 8-bit KV caches
-// (OCP 8-bit floating point, E4M3FN), and the traits of 8-bit cache storage.
+/// \file
+/// float8_e4m3: the 8-bit floating-point storage type of the 8-bit KV caches
+/// (OCP 8-bit floating point, E4M3FN), and the traits of 8-bit cache storage.
 #pragma once
 
 #include <cstdint>

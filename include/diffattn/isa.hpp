@@ -1,6 +1,7 @@
-// Which instruction-set variant runs the kernels: the flags of the including
-// translation unit (header-only), or the variant diffattn::dispatch selects
-// for this CPU at run time.
+/// \file
+/// Which instruction-set variant runs the kernels: the flags of the including
+/// translation unit (header-only), or the variant diffattn::dispatch selects
+/// for this CPU at run time.
 #pragma once
 
 #include <string_view>

@@ -1,5 +1,6 @@
-// The KV cache of a layer: keys (after rotary) and values of the tokens seen
-// so far, for a batch of sequences that advance together.
+/// \file
+/// The KV cache of a layer: keys (after rotary) and values of the tokens seen
+/// so far, for a batch of sequences that advance together.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,7 @@
-// Fused kernels over a batch of KV caches: per-sequence key lengths
-// (FlashAttention's flash_attn_with_kvcache / cache_seqlens) and paged caches
-// (vLLM's block tables), for decoding and for prefill chunks against a cache.
+/// \file
+/// Fused kernels over a batch of KV caches: per-sequence key lengths
+/// (FlashAttention's flash_attn_with_kvcache / cache_seqlens) and paged caches
+/// (vLLM's block tables), for decoding and for prefill chunks against a cache.
 #pragma once
 
 #include "attention.hpp"

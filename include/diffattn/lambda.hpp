@@ -1,4 +1,5 @@
-// The differential weight lambda: depth schedule, V1 re-parameterisation, V2 sigmoid.
+/// \file
+/// The differential weight lambda: depth schedule, V1 re-parameterisation, V2 sigmoid.
 #pragma once
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// Eigen matrix aliases used by the single-head (materialised) API.
+/// \file
+/// Eigen matrix aliases used by the single-head (materialised) API.
 #pragma once
 
 #include <Eigen/Core>

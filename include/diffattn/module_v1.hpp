@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV1: the differential attention layer with split heads
-// (Ye et al., ICLR 2025), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV1: the differential attention layer with split heads
+/// (Ye et al., ICLR 2025), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV2: the differential attention layer with doubled query
-// heads (DIFF V2), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV2: the differential attention layer with doubled query
+/// heads (DIFF V2), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>

@@ -1,4 +1,5 @@
-// RMSNorm over the last dimension: the per-head normalisation of DIFF V1 ("subln").
+/// \file
+/// RMSNorm over the last dimension: the per-head normalisation of DIFF V1 ("subln").
 #pragma once
 
 #include <cmath>

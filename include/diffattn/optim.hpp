@@ -1,5 +1,6 @@
-// Optimizers over named parameters: SGD (with momentum) and AdamW, updating in
-// place the views a layer's parameters() returns from the gradients() it keeps.
+/// \file
+/// Optimizers over named parameters: SGD (with momentum) and AdamW, updating in
+/// place the views a layer's parameters() returns from the gradients() it keeps.
 #pragma once
 
 #include <cmath>

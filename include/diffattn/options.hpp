@@ -1,4 +1,5 @@
-// Options shared by every attention entry point.
+/// \file
+/// Options shared by every attention entry point.
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,6 @@
-// Packed variable-length batches: several sequences concatenated along the
-// token axis, each attending only to itself (FlashAttention's varlen layout).
+/// \file
+/// Packed variable-length batches: several sequences concatenated along the
+/// token axis, each attending only to itself (FlashAttention's varlen layout).
 #pragma once
 
 #include <vector>

@@ -1,5 +1,6 @@
-// quantize_rows: rows of keys or values to 8-bit storage (std::int8_t,
-// float8_e4m3) with one float scale per row, as the 8-bit KV caches hold them.
+/// \file
+/// quantize_rows: rows of keys or values to 8-bit storage (std::int8_t,
+/// float8_e4m3) with one float scale per row, as the 8-bit KV caches hold them.
 #pragma once
 
 #include <cmath>

@@ -1,7 +1,8 @@
-// Reference implementations of the fused kernels: same signatures, the plain
-// materialised computation (N x M maps per head, Eigen products). The oracle of
-// the tests and the baseline of the benchmarks; O(N M) memory per thread,
-// threaded over (batch, head) like the fused kernels.
+/// \file
+/// Reference implementations of the fused kernels: same signatures, the plain
+/// materialised computation (N x M maps per head, Eigen products). The oracle of
+/// the tests and the baseline of the benchmarks; O(N M) memory per thread,
+/// threaded over (batch, head) like the fused kernels.
 #pragma once
 
 #include "config.hpp"

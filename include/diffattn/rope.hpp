@@ -1,4 +1,5 @@
-// Rotary position embedding (RoPE), interleaved pairs, as the Diff Transformer reference.
+/// \file
+/// Rotary position embedding (RoPE), interleaved pairs, as the Diff Transformer reference.
 #pragma once
 
 #include <cmath>

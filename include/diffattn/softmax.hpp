@@ -1,4 +1,5 @@
-// Row-wise softmax with masking and log-sum-exp.
+/// \file
+/// Row-wise softmax with masking and log-sum-exp.
 #pragma once
 
 #include <cmath>

@@ -1,5 +1,6 @@
-// Storage types: the 16-bit floating-point formats the kernels, caches and
-// safetensors files take besides float and double.
+/// \file
+/// Storage types: the 16-bit floating-point formats the kernels, caches and
+/// safetensors files take besides float and double.
 #pragma once
 
 #include <type_traits>

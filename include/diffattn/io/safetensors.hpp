@@ -1,16 +1,17 @@
-// Reading and writing safetensors files (the format of Hugging Face and PyTorch checkpoints).
-//
-// Layout of a file:
-//   8 bytes     N, the header length, unsigned little-endian
-//   N bytes     JSON header: {"name": {"dtype": "F32", "shape": [2, 3],
-//                                       "data_offsets": [begin, end]}, ...,
-//                             "__metadata__": {"key": "value", ...}}   (optional)
-//   the rest    the data section; tensor bytes lie at [begin, end) of it,
-//               row-major, little-endian.
-//
-// The reader checks everything against the file's size before touching data,
-// so a truncated or corrupt file gives diffattn::error, never an out-of-bounds
-// read.
+/// \file
+/// Reading and writing safetensors files (the format of Hugging Face and PyTorch checkpoints).
+///
+/// Layout of a file:
+///   8 bytes     N, the header length, unsigned little-endian
+///   N bytes     JSON header: {"name": {"dtype": "F32", "shape": [2, 3],
+///                                       "data_offsets": [begin, end]}, ...,
+///                             "__metadata__": {"key": "value", ...}}   (optional)
+///   the rest    the data section; tensor bytes lie at [begin, end) of it,
+///               row-major, little-endian.
+///
+/// The reader checks everything against the file's size before touching data,
+/// so a truncated or corrupt file gives diffattn::error, never an out-of-bounds
+/// read.
 #pragma once
 
 #include <algorithm>
