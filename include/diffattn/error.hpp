@@ -9,6 +9,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup basics
+/// @{
+
 /// Thrown for every invalid argument (shapes, strides, aliasing, non-finite
 /// scalars) and for unreadable or malformed files. The message names the
 /// function, the argument and the shapes involved, e.g.
@@ -17,5 +20,7 @@ class error : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -11,6 +11,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup storage
+/// @{
+
 /// bfloat16: 8 exponent bits and 8 significand bits (float's range, relative
 /// rounding 2^-8). Eigen's type: converts to and from float explicitly.
 using bfloat16 = Eigen::bfloat16;
@@ -23,6 +26,7 @@ template <class T>
 struct is_half_storage
     : std::integral_constant<bool, std::is_same<std::remove_cv_t<T>, bfloat16>::value ||
                                        std::is_same<std::remove_cv_t<T>, half>::value> {};
+/// is_half_storage<T>::value.
 template <class T>
 constexpr bool is_half_storage_v = is_half_storage<T>::value;
 
@@ -31,5 +35,7 @@ constexpr bool is_half_storage_v = is_half_storage<T>::value;
 /// kernel on T-storage are compute_t<T>.
 template <class T>
 using compute_t = std::conditional_t<is_half_storage_v<T>, float, std::remove_cv_t<T>>;
+
+/// @}
 
 DIFFATTN_END_NAMESPACE
