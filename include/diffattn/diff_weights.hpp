@@ -15,6 +15,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup materialised
+/// @{
+
 namespace detail {
 template <class T>
 using MatrixRef = Eigen::Ref<const Matrix<T>>;
@@ -86,5 +89,7 @@ Matrix<T> diff_weights(const detail::nondeduced_t<detail::MatrixRef<T>>& q1,
   const Matrix<T> a2 = softmax(detail::masked_scores<T>(q2, k2, scale, band), lse2);
   return a1 - lambda * a2;
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

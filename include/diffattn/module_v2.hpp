@@ -30,6 +30,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup layers
+/// @{
+
 /// Configuration of MultiheadDiffAttnV2.
 ///
 /// q_proj E -> 2H * head_dim, k_proj and v_proj E -> Hkv * head_dim,
@@ -44,6 +47,7 @@ struct DiffAttnV2Config {
   double rope_base = 10000;  ///< rotary base theta
   /// Sliding window, as in DiffAttnV1Config.
   index_t window_left = -1;
+  /// See window_left.
   index_t window_right = -1;
 };
 
@@ -69,6 +73,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// The configuration type, DiffAttnV2Config.
   using config_type = DiffAttnV2Config;
 
   /// Builds the layer with nn.Linear's default initialisation for all five
@@ -385,5 +390,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   Tensor<T, 2> lambda_proj_;  // (H, E)
   Saved saved_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

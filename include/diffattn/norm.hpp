@@ -15,6 +15,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup layers
+/// @{
+
 /// Root-mean-square normalisation of every row along the last dimension:
 ///
 ///   x (..., D)  ->  out[..., j] = scale * x[..., j] / sqrt(mean_j(x^2) + eps) * weight[j]
@@ -168,5 +171,7 @@ void rms_norm_backward(detail::nondeduced_view<const T, R> x,
   }
   for (index_t j = 0; want_dw && j < dim; ++j) dweight(j) = static_cast<T>(dw[j]);
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -16,6 +16,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup layers
+/// @{
+
 /// Named parameters or gradients: flattened 1-D views keyed by name, as
 /// MultiheadDiffAttnV1::parameters() and gradients() return them. Any of the
 /// caller's own tensors joins by wrapping its storage in a TensorView<T, 1>.
@@ -124,6 +127,7 @@ class SGD {
     momentum_.clear();
     started_.clear();
   }
+  /// The options the optimizer was made with (lr as last set).
   const SGDOptions& options() const noexcept { return opt_; }
   /// Changes the learning rate (schedules); throws if not finite and > 0.
   void set_lr(double lr) {
@@ -213,6 +217,7 @@ class AdamW {
     const auto it = steps_.find(name);
     return it == steps_.end() ? 0 : it->second;
   }
+  /// The options the optimizer was made with (lr as last set).
   const AdamWOptions& options() const noexcept { return opt_; }
   /// Changes the learning rate (schedules); throws if not finite and > 0.
   void set_lr(double lr) {
@@ -225,5 +230,7 @@ class AdamW {
   std::map<std::string, std::vector<double>> m_, v_;
   std::map<std::string, long long> steps_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

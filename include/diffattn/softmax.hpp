@@ -10,6 +10,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup materialised
+/// @{
+
 /// Row-wise softmax of `logits` (rows x cols), numerically stable for any
 /// finite logits (the row max is subtracted before exp, so 1e4 cannot overflow).
 ///
@@ -38,5 +41,7 @@ Matrix<typename Derived::Scalar> softmax(const Eigen::MatrixBase<Derived>& logit
   }
   return p;
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE
