@@ -103,12 +103,14 @@ void quantize_rows(detail::nondeduced_view<const S, 4> src, detail::nondeduced_v
                    detail::nondeduced_view<float, 3> scale) {
   detail::quantize_rows_impl<S, Q, 4>(src, dst, scale);
 }
+/// \ingroup storage
 /// quantize_rows over (N, H, d) rows: scale (N, H).
 template <class S, class Q>
 void quantize_rows(detail::nondeduced_view<const S, 3> src, detail::nondeduced_view<Q, 3> dst,
                    detail::nondeduced_view<float, 2> scale) {
   detail::quantize_rows_impl<S, Q, 3>(src, dst, scale);
 }
+/// \ingroup storage
 /// quantize_rows over (H, d) rows: scale (H).
 template <class S, class Q>
 void quantize_rows(detail::nondeduced_view<const S, 2> src, detail::nondeduced_view<Q, 2> dst,

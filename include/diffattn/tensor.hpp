@@ -60,6 +60,7 @@ std::array<index_t, R> row_major_strides(const std::array<index_t, R>& shape) {
 
 }  // namespace detail
 
+/// \ingroup basics
 /// Non-owning view of a rank-R tensor with arbitrary non-negative strides
 /// (counted in elements, mdspan's layout_stride). Cheap to copy; never owns.
 ///
@@ -191,6 +192,7 @@ class TensorView {
   shape_type strides_;
 };
 
+/// \ingroup basics
 /// Owning, contiguous (row-major), 64-byte aligned, zero-initialised tensor;
 /// a buffer of 1 MiB or more (a KV cache, say) starts on a 4 KiB page, so that
 /// its rows of a power-of-two size up to 4 KiB start on a multiple of their
