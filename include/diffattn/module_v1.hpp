@@ -95,6 +95,8 @@ enum class WeightLayout {
 /// reference's state_dict names and shapes (nn.Linear weights are
 /// (out_features, in_features)); T is float or double, or bfloat16 / half for
 /// inference (see value_type and compute_type in detail::ModuleBase).
+/// forward, backward, parameters, make_cache and the other members both layers
+/// share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T> {
   using C = compute_t<T>;

@@ -64,7 +64,8 @@ struct DiffAttnV2Config {
 /// and, through the sigmoid, the lambda logits into lambda_proj.weight and x),
 /// the inverse rotary rotation and the projections.
 /// T is float or double, or bfloat16 / half for inference, as for
-/// MultiheadDiffAttnV1.
+/// MultiheadDiffAttnV1. forward, backward, parameters, make_cache and the
+/// other members both layers share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T> {
   using C = compute_t<T>;
