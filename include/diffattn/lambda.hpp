@@ -35,8 +35,10 @@ inline double dot1(const TensorView<const T, 1>& a, const TensorView<const T, 1>
 /// The two exponentials of V1's lambda, kept for the backward pass:
 /// lambda_full = e1 - e2 + lambda_init.
 struct LambdaTerms {
-  double e1 = 0;  ///< exp(lambda_q1 . lambda_k1)
-  double e2 = 0;  ///< exp(lambda_q2 . lambda_k2)
+  /// exp(lambda_q1 . lambda_k1).
+  double e1 = 0;  // exp(lambda_q1 . lambda_k1)
+  /// exp(lambda_q2 . lambda_k2).
+  double e2 = 0;  // exp(lambda_q2 . lambda_k2)
   /// lambda_init of the layer.
   double init = 0;
   /// lambda_full = e1 - e2 + init.
