@@ -1,5 +1,6 @@
-// Fused multi-head attention kernels: differential V1 and V2, and plain softmax
-// attention. None of them forms an N x M matrix.
+/// \file
+/// Fused multi-head attention kernels: differential V1 and V2, and plain softmax
+/// attention. None of them forms an N x M matrix.
 #pragma once
 
 #include "config.hpp"

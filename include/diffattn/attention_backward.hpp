@@ -1,5 +1,6 @@
-// Backward pass of the fused kernels: gradients of q, k, v and lambda from the
-// forward's saved log-sum-exp, with no N x M buffer.
+/// \file
+/// Backward pass of the fused kernels: gradients of q, k, v and lambda from the
+/// forward's saved log-sum-exp, with no N x M buffer.
 #pragma once
 
 #include "config.hpp"

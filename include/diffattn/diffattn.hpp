@@ -1,4 +1,5 @@
-// diffattn: header-only differential attention. One include for everything.
+/// \file
+/// diffattn: header-only differential attention. One include for everything.
 #pragma once
 
 #include "analysis.hpp"

@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV1: the differential attention layer with split heads
-// (Ye et al., ICLR 2025), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV1: the differential attention layer with split heads
+/// (Ye et al., ICLR 2025), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>
@@ -29,6 +30,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup layers
+/// @{
+
 /// Configuration of MultiheadDiffAttnV1.
 ///
 /// With embedding width E and H DIFF heads each query/key half is d wide
@@ -48,6 +52,7 @@ struct DiffAttnV1Config {
   /// limit): a causal layer whose tokens see the last W tokens, themselves
   /// included, uses window_left = W - 1.
   index_t window_left = -1;
+  /// See window_left.
   index_t window_right = -1;
   /// d, the width of one query/key half (DiffLlama's head_dim); 0 means
   /// E / (2H).
@@ -90,6 +95,8 @@ enum class WeightLayout {
 /// reference's state_dict names and shapes (nn.Linear weights are
 /// (out_features, in_features)); T is float or double, or bfloat16 / half for
 /// inference (see value_type and compute_type in detail::ModuleBase).
+/// forward, backward, parameters, make_cache and the other members both layers
+/// share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T> {
   using C = compute_t<T>;
@@ -98,6 +105,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// The configuration type, DiffAttnV1Config.
   using config_type = DiffAttnV1Config;
 
   /// Builds the layer and initialises it as the reference does, deterministically
@@ -163,7 +171,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   /// the cache is full, was made for another layer or another batch size. A
   /// 16-bit cache (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is
   /// read by the kernel in compute_type, the new keys and values rounded to S
-  /// when appended; an 8-bit one (make_cache<std::int8_t>, <float8_e4m3>)
+  /// when appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
   /// gets them quantized per row with their scales, and a non-finite key or
   /// value throws, changing nothing.
   template <class S>
@@ -508,5 +516,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
   Saved saved_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV2: the differential attention layer with doubled query
-// heads (DIFF V2), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV2: the differential attention layer with doubled query
+/// heads (DIFF V2), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>
@@ -29,6 +30,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup layers
+/// @{
+
 /// Configuration of MultiheadDiffAttnV2.
 ///
 /// q_proj E -> 2H * head_dim, k_proj and v_proj E -> Hkv * head_dim,
@@ -43,6 +47,7 @@ struct DiffAttnV2Config {
   double rope_base = 10000;  ///< rotary base theta
   /// Sliding window, as in DiffAttnV1Config.
   index_t window_left = -1;
+  /// See window_left.
   index_t window_right = -1;
 };
 
@@ -59,7 +64,8 @@ struct DiffAttnV2Config {
 /// and, through the sigmoid, the lambda logits into lambda_proj.weight and x),
 /// the inverse rotary rotation and the projections.
 /// T is float or double, or bfloat16 / half for inference, as for
-/// MultiheadDiffAttnV1.
+/// MultiheadDiffAttnV1. forward, backward, parameters, make_cache and the
+/// other members both layers share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T> {
   using C = compute_t<T>;
@@ -68,6 +74,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// The configuration type, DiffAttnV2Config.
   using config_type = DiffAttnV2Config;
 
   /// Builds the layer with nn.Linear's default initialisation for all five
@@ -384,5 +391,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   Tensor<T, 2> lambda_proj_;  // (H, E)
   Saved saved_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

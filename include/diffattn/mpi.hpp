@@ -1,7 +1,8 @@
-// Context parallelism over MPI (ring attention): one sequence split across the
-// ranks of a communicator, forward and backward. CMake target diffattn::mpi,
-// present when find_package(MPI COMPONENTS CXX) succeeds; the rest of the
-// library never includes MPI.
+/// \file
+/// Context parallelism over MPI (ring attention): one sequence split across the
+/// ranks of a communicator, forward and backward. CMake target diffattn::mpi,
+/// present when find_package(MPI COMPONENTS CXX) succeeds; the rest of the
+/// library never includes MPI.
 #pragma once
 
 #include <mpi.h>

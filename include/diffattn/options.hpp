@@ -1,4 +1,5 @@
-// Options shared by every attention entry point.
+/// \file
+/// Options shared by every attention entry point.
 #pragma once
 
 #include <cmath>
@@ -9,6 +10,7 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup masks
 /// Options of every attention function.
 struct AttentionOptions {
   /// Causal mask aligned bottom-right: query i of N sees key j of M iff
@@ -29,6 +31,7 @@ struct AttentionOptions {
   ///     0 0 0 1 1
   /// Cost follows the visible pairs: tiles outside the band are never computed.
   index_t window_left = -1;
+  /// Keys visible after the aligned diagonal (see window_left); -1: no limit.
   index_t window_right = -1;
   /// Score scale s in softmax(s * q k^T); 0 means 1 / sqrt(d), d the width of
   /// one query/key head. Must be finite and >= 0.

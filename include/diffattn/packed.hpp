@@ -1,5 +1,6 @@
-// Packed variable-length batches: several sequences concatenated along the
-// token axis, each attending only to itself (FlashAttention's varlen layout).
+/// \file
+/// Packed variable-length batches: several sequences concatenated along the
+/// token axis, each attending only to itself (FlashAttention's varlen layout).
 #pragma once
 
 #include <vector>
@@ -16,6 +17,7 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup packed
 /// The sequences of a packed batch, by cumulative offsets (FlashAttention's
 /// cu_seqlens_q / cu_seqlens_k): sequence s owns query rows
 /// [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and key/value rows

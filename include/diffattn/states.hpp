@@ -1,6 +1,7 @@
-// Mergeable softmax states: the (o, lse) summary of one softmax map over a
-// subset of the keys, and their exact merge. Split-KV decoding and context
-// parallelism (ring attention) are built from them.
+/// \file
+/// Mergeable softmax states: the (o, lse) summary of one softmax map over a
+/// subset of the keys, and their exact merge. Split-KV decoding and context
+/// parallelism (ring attention) are built from them.
 #pragma once
 
 #include <cmath>
