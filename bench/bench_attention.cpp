@@ -11,14 +11,14 @@
 //
 // BM_Bf16_<kind>: the same fused kernels with q, k, v and out stored as
 // bfloat16 (V2's lambda_logit too): under AVX512-BF16 both products run on
-// bf16 dot products (detail/bf16_dot.hpp, detail/bf16_wv.hpp). Their rates
+// bf16 dot products (detail/kernel/bf16_dot.hpp, detail/kernel/bf16_wv.hpp). Their rates
 // are compared with BM_Bf16Peak, the instruction's peak in the same run.
 //
 // Arguments: {N, threads}. B = 1, causal.
 #include <benchmark/benchmark.h>
 
 #include <diffattn/diffattn.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 
 #include "bench_common.hpp"
 

@@ -2,7 +2,7 @@
 # Doxygen's INPUT_FILTER (docs/Doxyfile.in): prints the header $1 as Doxygen
 # should read it. Lines are neither added nor removed, so warnings keep the
 # header's line numbers. The headers themselves are unchanged.
-#  1. The deduction blockers of detail/traits.hpp are spelled as the types they
+#  1. The deduction blockers of detail/core/traits.hpp are spelled as the types they
 #     stand for: the reference shows TensorView<const T, 4> q where the code
 #     says detail::nondeduced_view<const T, 4> q (the same type; see the main
 #     page).

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/analysis_impl.hpp"
-#include "detail/format.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/analysis/analysis_impl.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "error.hpp"
 #include "options.hpp"
 #include "tensor.hpp"

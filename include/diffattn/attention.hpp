@@ -4,8 +4,8 @@
 #pragma once
 
 #include "config.hpp"
-#include "detail/attention_kernel.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/kernel/attention_kernel.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"

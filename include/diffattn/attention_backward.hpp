@@ -4,9 +4,9 @@
 #pragma once
 
 #include "config.hpp"
-#include "detail/attention_backward.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/backward/attention_backward.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"

@@ -8,10 +8,10 @@
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/parallel.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/parallel.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "lambda.hpp"
 #include "tensor.hpp"
 

@@ -6,9 +6,9 @@
 #include <limits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/mask.hpp"
-#include "detail/traits.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/kernel/mask.hpp"
 #include "matrix.hpp"
 #include "options.hpp"
 #include "softmax.hpp"

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/dispatch.hpp"
+#include "detail/kernel/dispatch.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "float8.hpp"
 #include "tensor.hpp"
 

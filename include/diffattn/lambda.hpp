@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

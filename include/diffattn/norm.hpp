@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/traits.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

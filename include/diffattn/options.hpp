@@ -5,8 +5,8 @@
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/mask.hpp"
+#include "detail/core/format.hpp"
+#include "detail/kernel/mask.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 

@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/convert.hpp"
-#include "detail/format.hpp"
-#include "detail/quant.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/decode/quant.hpp"
+#include "detail/kernel/convert.hpp"
 #include "float8.hpp"
 #include "tensor.hpp"
 #include "types.hpp"

@@ -6,11 +6,11 @@
 #pragma once
 
 #include "config.hpp"
-#include "detail/attention_backward.hpp"
-#include "detail/reference_backward_impl.hpp"
-#include "detail/reference_impl.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/backward/attention_backward.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/reference/reference_backward_impl.hpp"
+#include "detail/reference/reference_impl.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 

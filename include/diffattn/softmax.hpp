@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/softmax.hpp"
+#include "detail/kernel/softmax.hpp"
 #include "matrix.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

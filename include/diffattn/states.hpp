@@ -8,10 +8,10 @@
 #include <limits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/parallel.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/parallel.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "error.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "../config.hpp"
-#include "../detail/format.hpp"
-#include "../detail/safetensors_bytes.hpp"
-#include "../detail/safetensors_json.hpp"
+#include "../detail/core/format.hpp"
+#include "../detail/io/safetensors_bytes.hpp"
+#include "../detail/io/safetensors_json.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
 #include "../types.hpp"
