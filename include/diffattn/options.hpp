@@ -6,6 +6,7 @@
 #include "config.hpp"
 #include "detail/format.hpp"
 #include "detail/mask.hpp"
+#include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -35,6 +36,24 @@ struct AttentionOptions {
   double scale = 0;
   /// Threads for the fused kernels; 0 means the OpenMP default (1 without OpenMP).
   int num_threads = 0;
+
+  /// Score modifiers, applied to s = scale * q.k in this order: softcap, then
+  /// ALiBi, then (functor overloads) the functor's score, then the masks.
+  /// h below is the query head: the two maps of DIFF head h are query heads
+  /// 2h and 2h + 1, each with its own slope and sink.
+  ///
+  /// Soft-capping (Gemma 2, FlashAttention's softcap): > 0 replaces s by
+  /// softcap * tanh(s / softcap); 0 leaves the scores alone. Finite, >= 0.
+  float softcap = 0;
+  /// ALiBi (Hq), FlashAttention's convention: s -= slope_h * |i + M - N - j|
+  /// (i, j the query and key within the sequence), after the softcap. Empty:
+  /// none. Finite.
+  TensorView<const float, 1> alibi_slopes;
+  /// Attention sinks (Hq), GPT-OSS: one more logit sink_h in each row's
+  /// denominator and nothing in its output, so a row's weights sum to less
+  /// than 1 and lse = log(exp(sink_h) + sum_j exp(s_j)); a row that sees no
+  /// key gives zeros and lse = sink_h. Empty: none. Finite.
+  TensorView<const float, 1> sinks;
 };
 
 namespace detail {
@@ -51,6 +70,35 @@ inline void validate_options(const char* fn, const AttentionOptions& o) {
   if (o.causal && o.window_right > 0)
     fail(fn, "options.causal means window_right = 0, got window_right = ", o.window_right,
          " with causal = true");
+}
+
+/// True when the options set a score modifier (softcap, ALiBi or sinks).
+inline bool has_score_mods(const AttentionOptions& o) noexcept {
+  return o.softcap > 0 || !o.alibi_slopes.empty() || !o.sinks.empty();
+}
+
+/// Checks the score modifiers against the problem's query_heads (Hq).
+inline void validate_score_mods(const char* fn, const AttentionOptions& o, index_t query_heads) {
+  if (!std::isfinite(o.softcap) || o.softcap < 0)
+    fail(fn, "options.softcap must be finite and >= 0 (0: no soft-capping), got ", o.softcap);
+  auto check = [&](const char* name, const TensorView<const float, 1>& t) {
+    if (t.data() == nullptr && t.size() == 0) return;
+    if (t.shape(0) != query_heads)
+      fail(fn, "options.", name, " has shape ", shape_str(t.shape()), ", expected (Hq) = (",
+           query_heads, "), one per query head (q has ", query_heads, " heads)");
+    for (index_t h = 0; h < query_heads; ++h)
+      if (!std::isfinite(t(h)))
+        fail(fn, "options.", name, " must be finite, got ", name, "[", h, "] = ", t(h),
+             " (shape ", shape_str(t.shape()), ")");
+  };
+  check("alibi_slopes", o.alibi_slopes);
+  check("sinks", o.sinks);
+}
+
+/// Refuses score modifiers where they are not implemented.
+inline void refuse_score_mods(const char* fn, const AttentionOptions& o) {
+  if (has_score_mods(o))
+    fail(fn, "options.softcap, alibi_slopes and sinks are not supported here");
 }
 
 /// The visible band the options describe.

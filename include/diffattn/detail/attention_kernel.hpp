@@ -41,6 +41,7 @@
 #include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
+#include "score_mods.hpp"
 #include "softmax.hpp"
 #include "tile.hpp"
 #include "validate.hpp"
@@ -61,7 +62,10 @@ struct FusedRows {
   void weights(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh, const HeadMap& hm,
                index_t i, index_t kb, index_t n, C* w, C* w2) const {
     using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-    (void)kb;
+    if (p.modified) {
+      modified_weights(p, sq, oh, hm, i, kb, n, w, w2);
+      return;
+    }
     const RowStats<C> st1 = exp_row(w, n, false);
     const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
     if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
@@ -73,6 +77,31 @@ struct FusedRows {
       wa = wa * c1 - ArrayMap(w2, n) * c2;
     } else {
       ArrayMap(w, n) *= c1;
+    }
+  }
+  /// Step 4 under score modifiers (softcap, ALiBi, sinks): each map's scores
+  /// modified in place, then its softmax with the sink in the denominator.
+  void modified_weights(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh,
+                        const HeadMap& hm, index_t i, index_t kb, index_t n, C* w, C* w2) const {
+    using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+    const index_t diag = (i - sq.q0) + sq.m - sq.n;  // i + M - N within the sequence
+    C coef[2] = {C(1), C(0)};
+    C* rows[2] = {w, w2};
+    for (int m = 0; m < (w2 ? 2 : 1); ++m) {
+      const RowMods<C> rm = row_mods(p, hm.q[m]);
+      modify_scores(rows[m], n, rm, diag, kb);
+      const RowStats<C> st = exp_row(rows[m], n, false);
+      SinkNorm<C> sn{st.sum > C(0) ? C(1) / st.sum : C(0), row_lse(st)};
+      if (rm.has_sink) sn = sink_norm(st, rm.sink);
+      if (p.has_lse()) p.lse(sq.b, hm.q[m], i) = sn.lse;
+      coef[m] = sn.scale;
+    }
+    if (w2) {
+      const C c2 = row_lambda(p, sq.b, i, oh) * coef[1];
+      ArrayMap wa(w, n);
+      wa = wa * coef[0] - ArrayMap(w2, n) * c2;
+    } else {
+      ArrayMap(w, n) *= coef[0];
     }
   }
   /// Step 6: output row i (dv values at o) to the caller's layout, rounded

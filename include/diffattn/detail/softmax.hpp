@@ -100,5 +100,29 @@ inline T row_lse(const RowStats<T>& s) {
   return s.max + std::log(s.sum);
 }
 
+/// A row's normaliser and lse with one more logit, `sink`, in its denominator
+/// and not in its output (attention sinks): weights = exp(x - max) * scale.
+template <class T>
+struct SinkNorm {
+  T scale;
+  T lse;
+};
+
+/// From the RowStats of exp_row: a row that sees no key gets scale 0 and
+/// lse = sink; a NaN row stays NaN. Computed in the frame of the larger of
+/// max and sink, so neither exp overflows.
+template <class T>
+inline SinkNorm<T> sink_norm(const RowStats<T>& st, T sink) {
+  if (std::isnan(st.max) || std::isnan(st.sum))
+    return {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::quiet_NaN()};
+  if (st.sum == T(0)) return {T(0), sink};
+  if (st.max >= sink) {
+    const T den = st.sum + std::exp(sink - st.max);
+    return {T(1) / den, st.max + std::log(den)};
+  }
+  const T e = std::exp(st.max - sink), den = st.sum * e + T(1);
+  return {e / den, sink + std::log(den)};
+}
+
 }  // namespace detail
 DIFFATTN_END_NAMESPACE

@@ -1,0 +1,373 @@
+// Score modifiers (AttentionOptions::softcap, alibi_slopes, sinks) in the fused
+// kernels, against a float64 computation that materialises every score with
+// its cap, its ALiBi bias, the mask and the sink column explicitly.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <diffattn/attention.hpp>
+#include <diffattn/attention_backward.hpp>
+#include <diffattn/kv_cache.hpp>
+#include <diffattn/kvcache_attention.hpp>
+#include <diffattn/packed.hpp>
+
+#include "attention_support.hpp"
+#include "support.hpp"
+
+using diffattn::AttentionOptions;
+using diffattn::index_t;
+using diffattn::Tensor;
+using diffattn::TensorView;
+using test::cast;
+using test::random_tensor;
+using test::rel_error;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+enum class Kind { plain, v1, v1_heads, v2 };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::plain:
+      return "plain";
+    case Kind::v1:
+      return "v1";
+    case Kind::v1_heads:
+      return "v1 per-head lambda";
+    default:
+      return "v2";
+  }
+}
+
+struct Case {
+  Kind kind;
+  index_t B, N, M, H, Hkv, d;  // H: output heads (DIFF heads, or Hq for plain)
+  bool causal = false;
+  index_t wl = -1, wr = -1;
+  float softcap = 0;
+  bool alibi = false, sinks = false;
+};
+
+// Inputs of one case in double; the float copies are their roundings (the
+// double inputs are themselves float values, so both kernels see one problem).
+struct Inputs {
+  Tensor<double, 4> q, k, v;
+  Tensor<double, 3> logit;    // v2 (B, N, H)
+  std::vector<double> lam;    // v1: (1) or (H)
+  std::vector<float> slopes;  // (Hq) or empty
+  std::vector<float> sinks;   // (Hq) or empty
+};
+
+index_t query_heads(const Case& c) { return c.kind == Kind::plain ? c.H : 2 * c.H; }
+
+Inputs make_inputs(const Case& c, std::uint64_t seed) {
+  Inputs in;
+  const index_t Hq = query_heads(c);
+  const bool v1 = c.kind == Kind::v1 || c.kind == Kind::v1_heads;
+  const index_t kh = v1 ? 2 * c.Hkv : c.Hkv, dv = v1 ? 2 * c.d : c.d;
+  in.q = cast<double>(random_tensor<float, 4>({c.B, c.N, Hq, c.d}, seed, 1.5));
+  in.k = cast<double>(random_tensor<float, 4>({c.B, c.M, kh, c.d}, seed + 1, 1.5));
+  in.v = cast<double>(random_tensor<float, 4>({c.B, c.M, c.Hkv, dv}, seed + 2));
+  in.logit = cast<double>(random_tensor<float, 3>({c.B, c.N, c.H}, seed + 3));
+  diffattn::detail::Rng rng(seed + 4);
+  for (index_t h = 0; h < c.H; ++h) in.lam.push_back(static_cast<float>(0.2 + 0.6 * rng.uniform()));
+  if (c.alibi)
+    for (index_t h = 0; h < Hq; ++h) in.slopes.push_back(std::pow(2.0f, -0.5f * float(h + 1)));
+  if (c.sinks)
+    for (index_t h = 0; h < Hq; ++h) in.sinks.push_back(static_cast<float>(2.0 * rng.normal()));
+  return in;
+}
+
+AttentionOptions options_of(const Case& c, const Inputs& in) {
+  AttentionOptions o;
+  o.causal = c.causal;
+  o.window_left = c.wl;
+  o.window_right = c.wr;
+  o.softcap = c.softcap;
+  const index_t Hq = static_cast<index_t>(in.slopes.size());
+  if (c.alibi) o.alibi_slopes = TensorView<const float, 1>(in.slopes.data(), {Hq});
+  const index_t Hs = static_cast<index_t>(in.sinks.size());
+  if (c.sinks) o.sinks = TensorView<const float, 1>(in.sinks.data(), {Hs});
+  return o;
+}
+
+struct Reference {
+  Tensor<double, 4> out;  // (B, N, H, dv)
+  Tensor<double, 3> lse;  // (B, Hq, N)
+};
+
+// The float64 computation: for each row, the scores of every key (scale,
+// then cap, then ALiBi bias, masked keys -inf) and the sink column form one
+// vector of M + 1 logits; lse is their log-sum-exp and the weights of the M
+// keys their softmax.
+Reference reference(const Case& c, const Inputs& in) {
+  const bool v1 = c.kind == Kind::v1 || c.kind == Kind::v1_heads;
+  const index_t Hq = query_heads(c), dv = in.v.shape(3), maps = c.kind == Kind::plain ? 1 : 2;
+  const index_t group = c.H / c.Hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  Reference r{Tensor<double, 4>({c.B, c.N, c.H, dv}), Tensor<double, 3>({c.B, Hq, c.N})};
+  const index_t wr = c.causal ? 0 : c.wr;
+  std::vector<double> logits(static_cast<std::size_t>(c.M + 1));
+  std::vector<double> w(static_cast<std::size_t>(c.M));
+  for (index_t b = 0; b < c.B; ++b)
+    for (index_t oh = 0; oh < c.H; ++oh)
+      for (index_t i = 0; i < c.N; ++i) {
+        std::fill(w.begin(), w.end(), 0.0);
+        for (index_t m = 0; m < maps; ++m) {
+          const index_t qh = maps == 1 ? oh : 2 * oh + m;
+          const index_t g = oh / group, kh = v1 ? 2 * g + m : g;
+          const index_t diag = i + c.M - c.N;
+          for (index_t j = 0; j < c.M; ++j) {
+            const bool visible =
+                (c.wl < 0 || j >= diag - c.wl) && (wr < 0 || j <= diag + wr);
+            const double* qr = &in.q(b, i, qh, 0);
+            const double* kr = &in.k(b, j, kh, 0);
+            double s = 0;
+            for (index_t t = 0; t < c.d; ++t) s += qr[t] * kr[t];
+            s *= scale;
+            if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
+            if (c.alibi) s -= in.slopes[qh] * std::abs(static_cast<double>(diag - j));
+            logits[j] = visible ? s : -kInf;
+          }
+          logits[c.M] = c.sinks ? static_cast<double>(in.sinks[qh]) : -kInf;
+          double mx = -kInf;
+          for (double x : logits) mx = std::max(mx, x);
+          double lse = -kInf;
+          if (mx > -kInf) {
+            double sum = 0;
+            for (double x : logits) sum += std::exp(x - mx);
+            lse = mx + std::log(sum);
+          }
+          r.lse(b, qh, i) = lse;
+          double coef = 1;
+          if (m == 1) {
+            if (c.kind == Kind::v2)
+              coef = -1.0 / (1.0 + std::exp(-in.logit(b, i, oh)));
+            else
+              coef = -(c.kind == Kind::v1_heads ? in.lam[oh] : in.lam[0]);
+          }
+          for (index_t j = 0; j < c.M; ++j)
+            if (lse > -kInf && logits[j] > -kInf) w[j] += coef * std::exp(logits[j] - lse);
+        }
+        double* orow = &r.out(b, i, oh, 0);
+        std::fill(orow, orow + dv, 0.0);
+        for (index_t j = 0; j < c.M; ++j) {
+          if (w[j] == 0) continue;
+          const double* vr = &in.v(b, j, oh / group, 0);
+          for (index_t t = 0; t < dv; ++t) orow[t] += w[j] * vr[t];
+        }
+      }
+  return r;
+}
+
+// The fused kernel of the case's kind on storage T.
+template <class T>
+void run_fused(const Case& c, const Inputs& in, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
+               const Tensor<T, 4>& v, Tensor<T, 4>& out, Tensor<diffattn::compute_t<T>, 3>& lse,
+               const AttentionOptions& o) {
+  using C = diffattn::compute_t<T>;
+  switch (c.kind) {
+    case Kind::plain:
+      diffattn::attention<T>(q, k, v, out, lse, o);
+      break;
+    case Kind::v1:
+      diffattn::diff_attention_v1<T>(q, k, v, static_cast<C>(in.lam[0]), out, lse, o);
+      break;
+    case Kind::v1_heads: {
+      std::vector<C> lam(in.lam.begin(), in.lam.end());
+      diffattn::diff_attention_v1<T>(
+          q, k, v, TensorView<const C, 1>(lam.data(), {static_cast<index_t>(lam.size())}), out,
+          lse, o);
+      break;
+    }
+    default: {
+      const auto logit = cast<T>(in.logit);
+      diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+    }
+  }
+}
+
+// max |a - b| over entries, -inf / +inf required to match exactly.
+template <class A>
+double lse_error(const Tensor<A, 3>& got, const Tensor<double, 3>& want) {
+  double err = 0;
+  for (index_t x = 0; x < want.size(); ++x) {
+    const double a = static_cast<double>(got.data()[x]), b = want.data()[x];
+    if (std::isinf(b)) {
+      if (a != b) return kInf;
+      continue;
+    }
+    err = std::max(err, std::abs(a - b) / (1 + std::abs(b)));
+  }
+  return err;
+}
+
+template <class T>
+void check_storage(const Case& c, const Inputs& in, const Reference& ref, double tol,
+                   double lse_tol) {
+  using C = diffattn::compute_t<T>;
+  const auto q = cast<T>(in.q), k = cast<T>(in.k), v = cast<T>(in.v);
+  Tensor<T, 4> out(ref.out.shape());
+  Tensor<C, 3> lse(ref.lse.shape());
+  run_fused<T>(c, in, q, k, v, out, lse, options_of(c, in));
+  const double err = rel_error(out, ref.out), lerr = lse_error(lse, ref.lse);
+  INFO("storage " << sizeof(T) << " bytes: out error " << err << ", lse error " << lerr);
+  CHECK(err <= tol);
+  CHECK(lerr <= lse_tol);
+}
+
+void check_case(const Case& c, std::uint64_t seed, bool half = false) {
+  INFO(kind_name(c.kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
+                         << " Hkv=" << c.Hkv << " d=" << c.d << " causal=" << c.causal
+                         << " window=(" << c.wl << "," << c.wr << ") softcap=" << c.softcap
+                         << " alibi=" << c.alibi << " sinks=" << c.sinks);
+  const Inputs in = make_inputs(c, seed);
+  const Reference ref = reference(c, in);
+  check_storage<double>(c, in, ref, 1e-12, 1e-12);
+  check_storage<float>(c, in, ref, 1e-5, 1e-5);
+  if (half) check_storage<diffattn::bfloat16>(c, in, ref, 2e-2, 2e-2);
+}
+
+std::vector<Case> modifier_mixes(Case base) {
+  std::vector<Case> out;
+  const float caps[] = {0.0f, 3.0f};
+  for (float cap : caps)
+    for (int alibi = 0; alibi < 2; ++alibi)
+      for (int sinks = 0; sinks < 2; ++sinks) {
+        if (cap == 0 && !alibi && !sinks) continue;
+        Case c = base;
+        c.softcap = cap;
+        c.alibi = alibi;
+        c.sinks = sinks;
+        out.push_back(c);
+      }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: fused forward of every kind against the float64 reference", "[modifiers]") {
+  const Kind kinds[] = {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2};
+  std::uint64_t seed = 100;
+  for (Kind kind : kinds) {
+    // (B, N, M, H, Hkv, d): N != M both ways, GQA, sizes off the tiles.
+    const Case shapes[] = {
+        {kind, 2, 75, 113, 2, 1, 16},  // GQA 2, N < M
+        {kind, 1, 97, 61, 4, 2, 8},    // N > M
+        {kind, 1, 64, 64, 1, 1, 32},
+    };
+    for (Case s : shapes) {
+      for (int mask = 0; mask < 3; ++mask) {
+        Case base = s;
+        base.causal = mask >= 1;
+        if (mask == 2) base.wl = 17;
+        for (const Case& c : modifier_mixes(base)) check_case(c, seed++);
+      }
+    }
+  }
+}
+
+TEST_CASE("modifiers: windows on both sides, and 16-bit storage", "[modifiers]") {
+  std::uint64_t seed = 900;
+  for (Kind kind : {Kind::v1, Kind::v2, Kind::plain}) {
+    Case c{kind, 1, 70, 90, 2, 2, 16};
+    c.wl = 9;
+    c.wr = 4;
+    c.softcap = 2.5f;
+    c.alibi = true;
+    c.sinks = true;
+    check_case(c, seed++, true);
+    Case h{kind, 2, 40, 52, 2, 1, 32};
+    h.causal = true;
+    h.softcap = 5.0f;
+    h.sinks = true;
+    check_case(h, seed++, true);
+  }
+}
+
+TEST_CASE("modifiers: decoding steps (fewer than kMR queries), split over key chunks",
+          "[modifiers]") {
+  std::uint64_t seed = 1300;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    for (index_t N : {1, 3}) {
+      for (index_t M : {37, 2600}) {  // one chunk, and three of kSplitKeys keys
+        Case base{kind, 2, N, M, 4, 2, 16};
+        base.causal = true;
+        for (const Case& c : modifier_mixes(base)) check_case(c, seed++);
+        Case w = base;
+        w.wl = 700;
+        w.softcap = 4;
+        w.alibi = w.sinks = true;
+        check_case(w, seed++);
+      }
+    }
+  }
+}
+
+TEST_CASE("modifiers: sinks take the weight of rows that see no key", "[modifiers]") {
+  // N > M causal: the first N - M rows see nothing: zeros, lse = sink.
+  Case c{Kind::v2, 1, 20, 8, 2, 1, 8};
+  c.causal = true;
+  c.sinks = true;
+  const Inputs in = make_inputs(c, 7);
+  const Reference ref = reference(c, in);
+  for (index_t i = 0; i < 12; ++i)
+    for (index_t h = 0; h < 4; ++h) REQUIRE(ref.lse(0, h, i) == static_cast<double>(in.sinks[h]));
+  check_case(c, 7);
+}
+
+TEST_CASE("modifiers: no modifier set leaves the kernels bitwise unchanged", "[modifiers]") {
+  // Zero slopes and a sink of -inf are not "no modifier" (they are refused or
+  // take the modifier path); the default options are, and softcap = 0 is.
+  Case c{Kind::v1, 1, 70, 90, 2, 1, 16};
+  c.causal = true;
+  const Inputs in = make_inputs(c, 11);
+  const auto q = cast<float>(in.q), k = cast<float>(in.k), v = cast<float>(in.v);
+  Tensor<float, 4> a({1, 70, 2, 32}), b(a.shape());
+  Tensor<float, 3> la({1, 4, 70}), lb(la.shape());
+  AttentionOptions o;
+  o.causal = true;
+  diffattn::diff_attention_v1<float>(q, k, v, 0.5f, a, la, o);
+  o.softcap = 0.0f;
+  diffattn::diff_attention_v1<float>(q, k, v, 0.5f, b, lb, o);
+  REQUIRE(test::bitwise_equal(a, b));
+  REQUIRE(test::bitwise_equal(la, lb));
+}
+
+TEST_CASE("modifiers: bad options are refused, naming the argument and shapes", "[modifiers]") {
+  const auto q = random_tensor<float, 4>({1, 8, 4, 8}, 1);
+  const auto k = random_tensor<float, 4>({1, 8, 2, 8}, 2);
+  const auto v = random_tensor<float, 4>({1, 8, 2, 8}, 3);
+  const auto logit = random_tensor<float, 3>({1, 8, 2}, 4);
+  Tensor<float, 4> out({1, 8, 2, 8});
+  std::vector<float> three(3, 0.5f), four(4, 0.5f);
+  AttentionOptions o;
+  o.alibi_slopes = TensorView<const float, 1>(three.data(), {3});
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"diff_attention_v2", "alibi_slopes", "(3)", "(4)"});
+  o = {};
+  o.sinks = TensorView<const float, 1>(three.data(), {3});
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"diff_attention_v2", "sinks", "(3)", "(4)"});
+  o = {};
+  four[2] = std::numeric_limits<float>::quiet_NaN();
+  o.sinks = TensorView<const float, 1>(four.data(), {4});
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"sinks", "finite", "sinks[2]"});
+  o = {};
+  four[2] = std::numeric_limits<float>::infinity();
+  o.alibi_slopes = TensorView<const float, 1>(four.data(), {4});
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"alibi_slopes", "finite", "alibi_slopes[2]"});
+  o = {};
+  o.softcap = -1.0f;
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"diff_attention_v2", "softcap", "-1"});
+  o.softcap = std::numeric_limits<float>::infinity();
+  test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
+                      {"softcap", "finite"});
+}
