@@ -3,6 +3,7 @@
 // its cap, its ALiBi bias, the mask and the sink column explicitly.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -370,4 +371,161 @@ TEST_CASE("modifiers: bad options are refused, naming the argument and shapes", 
   o.softcap = std::numeric_limits<float>::infinity();
   test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
                       {"softcap", "finite"});
+}
+
+namespace {
+
+// L = sum(out * G): its gradients from the backward kernels, checked against
+// central differences (Richardson-extrapolated) of the double forward.
+struct Grads {
+  Tensor<double, 4> dq, dk, dv;
+  std::vector<double> dsinks;
+};
+
+double loss(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
+  Tensor<double, 4> out(g.shape());
+  Tensor<double, 3> lse({c.B, query_heads(c), c.N});
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, options_of(c, in));
+  double l = 0;
+  for (index_t x = 0; x < out.size(); ++x) l += out.data()[x] * g.data()[x];
+  return l;
+}
+
+Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
+  const index_t Hq = query_heads(c);
+  Tensor<double, 4> out(g.shape());
+  Tensor<double, 3> lse({c.B, Hq, c.N});
+  const AttentionOptions o = options_of(c, in);
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o);
+  Grads gr{Tensor<double, 4>(in.q.shape()), Tensor<double, 4>(in.k.shape()),
+           Tensor<double, 4>(in.v.shape()), std::vector<double>(static_cast<std::size_t>(Hq))};
+  TensorView<double, 1> ds;
+  if (c.sinks) ds = TensorView<double, 1>(gr.dsinks.data(), {Hq});
+  switch (c.kind) {
+    case Kind::plain:
+      diffattn::attention_backward<double>(in.q, in.k, in.v, out, lse, g, gr.dq, gr.dk, gr.dv, o,
+                                           ds);
+      break;
+    case Kind::v1: {
+      double dl = 0;
+      diffattn::diff_attention_v1_backward<double>(in.q, in.k, in.v, in.lam[0], out, lse, g,
+                                                   gr.dq, gr.dk, gr.dv, dl, o, ds);
+      break;
+    }
+    case Kind::v1_heads: {
+      std::vector<double> dl(in.lam.size());
+      const index_t H = static_cast<index_t>(dl.size());
+      diffattn::diff_attention_v1_backward<double>(
+          in.q, in.k, in.v, TensorView<const double, 1>(in.lam.data(), {H}), out, lse, g, gr.dq,
+          gr.dk, gr.dv, TensorView<double, 1>(dl.data(), {H}), o, ds);
+      break;
+    }
+    default: {
+      Tensor<double, 3> dlogit(in.logit.shape());
+      diffattn::diff_attention_v2_backward<double>(in.q, in.k, in.v, in.logit, out, lse, g, gr.dq,
+                                                   gr.dk, gr.dv, dlogit, o, ds);
+    }
+  }
+  return gr;
+}
+
+// d loss / d x by central differences at steps h and h / 2, extrapolated.
+template <class Set>
+double numeric(const Set& set, double x0, double h, const std::function<double()>& f) {
+  auto central = [&](double step) {
+    const double xp = set(x0 + step), lp = f();
+    const double xm = set(x0 - step), lm = f();
+    return (lp - lm) / (xp - xm);
+  };
+  const double d1 = central(h), d2 = central(h / 2);
+  set(x0);
+  return (4 * d2 - d1) / 3;
+}
+
+void check_gradients(Case c, std::uint64_t seed) {
+  INFO(kind_name(c.kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
+                         << " Hkv=" << c.Hkv << " causal=" << c.causal << " window=(" << c.wl
+                         << "," << c.wr << ") softcap=" << c.softcap << " alibi=" << c.alibi
+                         << " sinks=" << c.sinks);
+  Inputs in = make_inputs(c, seed);
+  const bool v1 = c.kind == Kind::v1 || c.kind == Kind::v1_heads;
+  const auto g = random_tensor<double, 4>({c.B, c.N, c.H, v1 ? 2 * c.d : c.d}, seed + 9);
+  const Grads gr = backward(c, in, g);
+  const std::function<double()> f = [&] { return loss(c, in, g); };
+  diffattn::detail::Rng rng(seed + 10);
+  auto check_tensor = [&](const char* name, Tensor<double, 4>& x, const Tensor<double, 4>& dx) {
+    double scale = 0;
+    for (index_t t = 0; t < dx.size(); ++t) scale = std::max(scale, std::abs(dx.data()[t]));
+    for (int s = 0; s < 12; ++s) {
+      const index_t t = static_cast<index_t>(rng.uniform() * static_cast<double>(x.size()));
+      double* p = x.data() + t;
+      const double num = numeric([&](double y) { return *p = y; }, *p, 1e-3, f);
+      INFO(name << "[" << t << "]: kernel " << dx.data()[t] << ", numeric " << num);
+      CHECK(std::abs(dx.data()[t] - num) <= 1e-6 * (1 + scale));
+    }
+  };
+  check_tensor("dq", in.q, gr.dq);
+  check_tensor("dk", in.k, gr.dk);
+  check_tensor("dv", in.v, gr.dv);
+  if (c.sinks) {
+    double scale = 0;
+    for (double x : gr.dsinks) scale = std::max(scale, std::abs(x));
+    for (std::size_t h = 0; h < in.sinks.size(); ++h) {
+      float* p = &in.sinks[h];
+      // Steps of 2^-8 and 2^-9: exact in float at these magnitudes.
+      const double num = numeric([&](double y) { return *p = static_cast<float>(y); },
+                                 static_cast<double>(*p), 0x1p-8, f);
+      INFO("dsinks[" << h << "]: kernel " << gr.dsinks[h] << ", numeric " << num);
+      CHECK(std::abs(gr.dsinks[h] - num) <= 1e-6 * (1 + scale));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: backward against finite differences, dsinks included", "[modifiers]") {
+  std::uint64_t seed = 2000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    Case all{kind, 2, 23, 31, 2, 1, 8};
+    all.causal = true;
+    all.softcap = 2.0f;
+    all.alibi = true;
+    all.sinks = true;
+    check_gradients(all, seed++);
+    Case cap{kind, 1, 19, 13, 2, 2, 8};  // N > M: rows that see nothing
+    cap.causal = true;
+    cap.softcap = 1.5f;
+    check_gradients(cap, seed++);
+    Case sink{kind, 1, 3, 70, 4, 2, 8};  // a decoding step's shape, windowed
+    sink.wl = 40;
+    sink.causal = true;
+    sink.sinks = true;
+    sink.alibi = true;
+    check_gradients(sink, seed++);
+  }
+}
+
+TEST_CASE("modifiers: dsinks is checked", "[modifiers]") {
+  Case c{Kind::plain, 1, 8, 8, 2, 1, 8};
+  const Inputs in = make_inputs(c, 3);
+  Tensor<double, 4> out({1, 8, 2, 8}), g(out.shape()), dq(in.q.shape()), dk(in.k.shape()),
+      dv(in.v.shape());
+  Tensor<double, 3> lse({1, 2, 8});
+  std::vector<double> ds(3);
+  std::vector<float> sinks(2, 0.0f);
+  AttentionOptions o;
+  diffattn::attention<double>(in.q, in.k, in.v, out, lse, o);
+  test::require_error(
+      [&] {
+        diffattn::attention_backward<double>(in.q, in.k, in.v, out, lse, g, dq, dk, dv, o,
+                                             TensorView<double, 1>(ds.data(), {2}));
+      },
+      {"attention_backward", "dsinks", "options.sinks"});
+  o.sinks = TensorView<const float, 1>(sinks.data(), {2});
+  test::require_error(
+      [&] {
+        diffattn::attention_backward<double>(in.q, in.k, in.v, out, lse, g, dq, dk, dv, o,
+                                             TensorView<double, 1>(ds.data(), {3}));
+      },
+      {"attention_backward", "dsinks", "(3)", "(Hq)", "(2)"});
 }
