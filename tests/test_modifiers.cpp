@@ -529,3 +529,198 @@ TEST_CASE("modifiers: dsinks is checked", "[modifiers]") {
       },
       {"attention_backward", "dsinks", "(3)", "(Hq)", "(2)"});
 }
+
+namespace {
+
+// The sub-problem of batch entry b: queries [q0, q0 + n), keys [k0, k0 + m)
+// (a packed sequence, or the valid part of a cache), as a case of its own.
+std::pair<Case, Inputs> slice(const Case& c, const Inputs& in, index_t b, index_t q0, index_t n,
+                              index_t k0, index_t m) {
+  Case s = c;
+  s.B = 1;
+  s.N = n;
+  s.M = m;
+  Inputs o = in;
+  auto cut = [](const Tensor<double, 4>& t, index_t bb, index_t r0, index_t rows) {
+    Tensor<double, 4> u({1, rows, t.shape(2), t.shape(3)});
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t h = 0; h < t.shape(2); ++h)
+        for (index_t x = 0; x < t.shape(3); ++x) u(0, r, h, x) = t(bb, r0 + r, h, x);
+    return u;
+  };
+  o.q = cut(in.q, b, q0, n);
+  o.k = cut(in.k, b, k0, m);
+  o.v = cut(in.v, b, k0, m);
+  o.logit = Tensor<double, 3>({1, n, c.H});
+  for (index_t r = 0; r < n; ++r)
+    for (index_t h = 0; h < c.H; ++h) o.logit(0, r, h) = in.logit(b, q0 + r, h);
+  return {s, o};
+}
+
+template <class T>
+void run_kvcache(const Case& c, const Inputs& in, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
+                 const Tensor<T, 4>& v, const diffattn::KVCacheBatch& cache, Tensor<T, 4>& out,
+                 Tensor<diffattn::compute_t<T>, 3>& lse, const AttentionOptions& o) {
+  switch (c.kind) {
+    case Kind::plain:
+      diffattn::attention_kvcache<T>(q, k, v, out, lse, cache, o);
+      break;
+    case Kind::v2: {
+      const auto logit = cast<T>(in.logit);
+      diffattn::diff_attention_v2_kvcache<T>(q, k, v, logit, out, lse, cache, o);
+      break;
+    }
+    default:
+      diffattn::diff_attention_v1_kvcache<T>(q, k, v, static_cast<diffattn::compute_t<T>>(in.lam[0]),
+                                             out, lse, cache, o);
+  }
+}
+
+// Pools of blocks of bs rows holding the caches, blocks handed out last to first.
+struct Pool {
+  Tensor<double, 4> k, v;
+  Tensor<index_t, 2> table;
+};
+Pool make_pool(const Tensor<double, 4>& k, const Tensor<double, 4>& v, index_t bs) {
+  const index_t B = k.shape(0), per = (k.shape(1) + bs - 1) / bs, blocks = B * per;
+  Pool p{Tensor<double, 4>({blocks, bs, k.shape(2), k.shape(3)}),
+         Tensor<double, 4>({blocks, bs, v.shape(2), v.shape(3)}), Tensor<index_t, 2>({B, per})};
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < per; ++t) {
+      const index_t blk = blocks - 1 - (b * per + t);
+      p.table(b, t) = blk;
+      for (index_t r = 0; r < bs && t * bs + r < k.shape(1); ++r) {
+        for (index_t h = 0; h < k.shape(2); ++h)
+          for (index_t x = 0; x < k.shape(3); ++x) p.k(blk, r, h, x) = k(b, t * bs + r, h, x);
+        for (index_t h = 0; h < v.shape(2); ++h)
+          for (index_t x = 0; x < v.shape(3); ++x) p.v(blk, r, h, x) = v(b, t * bs + r, h, x);
+      }
+    }
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: KV caches (contiguous, paged, split-KV) against the reference",
+          "[modifiers]") {
+  std::uint64_t seed = 3000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    for (index_t n : {1, 2, 8}) {
+      Case c{kind, 2, n, 1300, 4, 2, 16};  // capacity 1300
+      c.causal = true;
+      c.softcap = 3.0f;
+      c.alibi = true;
+      c.sinks = true;
+      INFO(kind_name(kind) << " n=" << n);
+      const Inputs in = make_inputs(c, seed++);
+      const std::vector<index_t> lens = {1250, 37};  // two split-KV chunks, one
+      Tensor<index_t, 1> seqlens({2});
+      seqlens(0) = lens[0];
+      seqlens(1) = lens[1];
+      diffattn::KVCacheBatch cache;
+      cache.cache_seqlens = seqlens;
+      const AttentionOptions o = options_of(c, in);
+      const bool v1 = kind == Kind::v1;
+      const index_t dv = v1 ? 2 * c.d : c.d;
+      Tensor<double, 4> out({2, n, c.H, dv});
+      Tensor<double, 3> lse({2, query_heads(c), n});
+      run_kvcache<double>(c, in, in.q, in.k, in.v, cache, out, lse, o);
+      for (index_t split : {index_t(0), index_t(100)}) {
+        INFO("split_keys " << split);
+        diffattn::KVCacheBatch cs = cache;
+        cs.split_keys = split;
+        for (index_t bs : {index_t(0), index_t(16)}) {
+          INFO("block_size " << bs);
+          Tensor<double, 4> o2(out.shape());
+          Tensor<double, 3> l2(lse.shape());
+          if (bs == 0) {
+            run_kvcache<double>(c, in, in.q, in.k, in.v, cs, o2, l2, o);
+          } else {
+            const Pool pool = make_pool(in.k, in.v, bs);
+            diffattn::KVCacheBatch cp = cs;
+            cp.block_table = pool.table;
+            run_kvcache<double>(c, in, in.q, pool.k, pool.v, cp, o2, l2, o);
+          }
+          for (index_t b = 0; b < 2; ++b) {
+            const auto sub = slice(c, in, b, 0, n, 0, lens[static_cast<std::size_t>(b)]);
+            const Reference ref = reference(sub.first, sub.second);
+            for (index_t i = 0; i < n; ++i)
+              for (index_t h = 0; h < c.H; ++h)
+                for (index_t x = 0; x < dv; ++x)
+                  REQUIRE(std::abs(o2(b, i, h, x) - ref.out(0, i, h, x)) <= 1e-12);
+            for (index_t h = 0; h < query_heads(c); ++h)
+              for (index_t i = 0; i < n; ++i)
+                REQUIRE(std::abs(l2(b, h, i) - ref.lse(0, h, i)) <=
+                        1e-12 * (1 + std::abs(ref.lse(0, h, i))));
+          }
+        }
+      }
+      // float storage, default chunks.
+      const auto qf = cast<float>(in.q), kf = cast<float>(in.k), vf = cast<float>(in.v);
+      Tensor<float, 4> of(out.shape());
+      Tensor<float, 3> lf(lse.shape());
+      run_kvcache<float>(c, in, qf, kf, vf, cache, of, lf, o);
+      CHECK(rel_error(of, out) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("modifiers: packed varlen, i and j within each sequence", "[modifiers]") {
+  std::uint64_t seed = 4000;
+  const std::vector<index_t> lq = {30, 0, 45, 3}, lk = {40, 5, 45, 20};
+  index_t Tq = 0, Tk = 0;
+  for (std::size_t s = 0; s < lq.size(); ++s) Tq += lq[s], Tk += lk[s];
+  const diffattn::PackedSequences seqs = diffattn::PackedSequences::from_lengths(lq, lk);
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    for (int mask = 0; mask < 2; ++mask) {
+      Case c{kind, 1, Tq, Tk, 2, 1, 16};
+      c.causal = true;
+      if (mask == 1) c.wl = 6;
+      c.softcap = 2.5f;
+      c.alibi = true;
+      c.sinks = true;
+      INFO(kind_name(kind) << " window_left " << c.wl);
+      const Inputs in = make_inputs(c, seed++);
+      const bool v1 = kind == Kind::v1 || kind == Kind::v1_heads;
+      const index_t dv = v1 ? 2 * c.d : c.d, Hq = query_heads(c);
+      auto d3 = [](const Tensor<double, 4>& t) {
+        return TensorView<const double, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+      };
+      Tensor<double, 4> out({1, Tq, c.H, dv});
+      Tensor<double, 2> lse({Hq, Tq});
+      TensorView<double, 3> out3(out.data(), {Tq, c.H, dv});
+      const AttentionOptions o = options_of(c, in);
+      switch (kind) {
+        case Kind::plain:
+          diffattn::attention_varlen<double>(d3(in.q), d3(in.k), d3(in.v), out3, lse, seqs, o);
+          break;
+        case Kind::v1:
+          diffattn::diff_attention_v1_varlen<double>(d3(in.q), d3(in.k), d3(in.v), in.lam[0], out3,
+                                                     lse, seqs, o);
+          break;
+        case Kind::v1_heads:
+          diffattn::diff_attention_v1_varlen<double>(
+              d3(in.q), d3(in.k), d3(in.v),
+              TensorView<const double, 1>(in.lam.data(), {c.H}), out3, lse, seqs, o);
+          break;
+        default:
+          diffattn::diff_attention_v2_varlen<double>(
+              d3(in.q), d3(in.k), d3(in.v),
+              TensorView<const double, 2>(in.logit.data(), {Tq, c.H}), out3, lse, seqs, o);
+      }
+      for (std::size_t s = 0; s < lq.size(); ++s) {
+        const index_t q0 = seqs.cu_seqlens_q[s], k0 = seqs.cu_seqlens_k[s];
+        const auto sub = slice(c, in, 0, q0, lq[s], k0, lk[s]);
+        const Reference ref = reference(sub.first, sub.second);
+        for (index_t i = 0; i < lq[s]; ++i) {
+          for (index_t h = 0; h < c.H; ++h)
+            for (index_t x = 0; x < dv; ++x)
+              REQUIRE(std::abs(out(0, q0 + i, h, x) - ref.out(0, i, h, x)) <= 1e-12);
+          for (index_t h = 0; h < Hq; ++h)
+            REQUIRE(std::abs(lse(h, q0 + i) - ref.lse(0, h, i)) <=
+                    1e-12 * (1 + std::abs(ref.lse(0, h, i))));
+        }
+      }
+    }
+  }
+}
