@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -51,6 +52,9 @@ struct Case {
   index_t wl = -1, wr = -1;
   float softcap = 0;
   bool alibi = false, sinks = false;
+  // The user functor's score and visible, as the reference applies them.
+  std::function<double(double, index_t, index_t, index_t, index_t)> fscore = nullptr;
+  std::function<bool(index_t, index_t, index_t, index_t)> fvisible = nullptr;
 };
 
 // Inputs of one case in double; the float copies are their roundings (the
@@ -132,7 +136,9 @@ Reference reference(const Case& c, const Inputs& in) {
             s *= scale;
             if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
             if (c.alibi) s -= in.slopes[qh] * std::abs(static_cast<double>(diag - j));
-            logits[j] = visible ? s : -kInf;
+            if (c.fscore) s = c.fscore(s, b, qh, i, j);
+            const bool fvis = !c.fvisible || c.fvisible(b, qh, i, j);
+            logits[j] = visible && fvis ? s : -kInf;
           }
           logits[c.M] = c.sinks ? static_cast<double>(in.sinks[qh]) : -kInf;
           double mx = -kInf;
@@ -165,29 +171,42 @@ Reference reference(const Case& c, const Inputs& in) {
   return r;
 }
 
-// The fused kernel of the case's kind on storage T.
-template <class T>
+// The fused kernel of the case's kind on storage T (with the functor mod
+// unless it is the default).
+template <class T, class Mod = diffattn::NoScoreMod>
 void run_fused(const Case& c, const Inputs& in, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
                const Tensor<T, 4>& v, Tensor<T, 4>& out, Tensor<diffattn::compute_t<T>, 3>& lse,
-               const AttentionOptions& o) {
+               const AttentionOptions& o, const Mod& mod = Mod()) {
   using C = diffattn::compute_t<T>;
+  constexpr bool plain = std::is_same<Mod, diffattn::NoScoreMod>::value;
   switch (c.kind) {
     case Kind::plain:
-      diffattn::attention<T>(q, k, v, out, lse, o);
+      if constexpr (plain)
+        diffattn::attention<T>(q, k, v, out, lse, o);
+      else
+        diffattn::attention<T>(q, k, v, out, lse, o, mod);
       break;
     case Kind::v1:
-      diffattn::diff_attention_v1<T>(q, k, v, static_cast<C>(in.lam[0]), out, lse, o);
+      if constexpr (plain)
+        diffattn::diff_attention_v1<T>(q, k, v, static_cast<C>(in.lam[0]), out, lse, o);
+      else
+        diffattn::diff_attention_v1<T>(q, k, v, static_cast<C>(in.lam[0]), out, lse, o, mod);
       break;
     case Kind::v1_heads: {
       std::vector<C> lam(in.lam.begin(), in.lam.end());
-      diffattn::diff_attention_v1<T>(
-          q, k, v, TensorView<const C, 1>(lam.data(), {static_cast<index_t>(lam.size())}), out,
-          lse, o);
+      const TensorView<const C, 1> lv(lam.data(), {static_cast<index_t>(lam.size())});
+      if constexpr (plain)
+        diffattn::diff_attention_v1<T>(q, k, v, lv, out, lse, o);
+      else
+        diffattn::diff_attention_v1<T>(q, k, v, lv, out, lse, o, mod);
       break;
     }
     default: {
       const auto logit = cast<T>(in.logit);
-      diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+      if constexpr (plain)
+        diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
+      else
+        diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o, mod);
     }
   }
 }
@@ -207,30 +226,31 @@ double lse_error(const Tensor<A, 3>& got, const Tensor<double, 3>& want) {
   return err;
 }
 
-template <class T>
+template <class T, class Mod = diffattn::NoScoreMod>
 void check_storage(const Case& c, const Inputs& in, const Reference& ref, double tol,
-                   double lse_tol) {
+                   double lse_tol, const Mod& mod = Mod()) {
   using C = diffattn::compute_t<T>;
   const auto q = cast<T>(in.q), k = cast<T>(in.k), v = cast<T>(in.v);
   Tensor<T, 4> out(ref.out.shape());
   Tensor<C, 3> lse(ref.lse.shape());
-  run_fused<T>(c, in, q, k, v, out, lse, options_of(c, in));
+  run_fused<T>(c, in, q, k, v, out, lse, options_of(c, in), mod);
   const double err = rel_error(out, ref.out), lerr = lse_error(lse, ref.lse);
   INFO("storage " << sizeof(T) << " bytes: out error " << err << ", lse error " << lerr);
   CHECK(err <= tol);
   CHECK(lerr <= lse_tol);
 }
 
-void check_case(const Case& c, std::uint64_t seed, bool half = false) {
+template <class Mod = diffattn::NoScoreMod>
+void check_case(const Case& c, std::uint64_t seed, bool half = false, const Mod& mod = Mod()) {
   INFO(kind_name(c.kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
                          << " Hkv=" << c.Hkv << " d=" << c.d << " causal=" << c.causal
                          << " window=(" << c.wl << "," << c.wr << ") softcap=" << c.softcap
                          << " alibi=" << c.alibi << " sinks=" << c.sinks);
   const Inputs in = make_inputs(c, seed);
   const Reference ref = reference(c, in);
-  check_storage<double>(c, in, ref, 1e-12, 1e-12);
-  check_storage<float>(c, in, ref, 1e-5, 1e-5);
-  if (half) check_storage<diffattn::bfloat16>(c, in, ref, 2e-2, 2e-2);
+  check_storage<double>(c, in, ref, 1e-12, 1e-12, mod);
+  check_storage<float>(c, in, ref, 1e-5, 1e-5, mod);
+  if (half) check_storage<diffattn::bfloat16>(c, in, ref, 2e-2, 2e-2, mod);
 }
 
 std::vector<Case> modifier_mixes(Case base) {
@@ -382,21 +402,23 @@ struct Grads {
   std::vector<double> dsinks;
 };
 
-double loss(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
+template <class Mod>
+double loss(const Case& c, const Inputs& in, const Tensor<double, 4>& g, const Mod& mod) {
   Tensor<double, 4> out(g.shape());
   Tensor<double, 3> lse({c.B, query_heads(c), c.N});
-  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, options_of(c, in));
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, options_of(c, in), mod);
   double l = 0;
   for (index_t x = 0; x < out.size(); ++x) l += out.data()[x] * g.data()[x];
   return l;
 }
 
-Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
+template <class Mod>
+Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g, const Mod& mod) {
   const index_t Hq = query_heads(c);
   Tensor<double, 4> out(g.shape());
   Tensor<double, 3> lse({c.B, Hq, c.N});
   const AttentionOptions o = options_of(c, in);
-  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o);
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o, mod);
   Grads gr{Tensor<double, 4>(in.q.shape()), Tensor<double, 4>(in.k.shape()),
            Tensor<double, 4>(in.v.shape()), std::vector<double>(static_cast<std::size_t>(Hq))};
   TensorView<double, 1> ds;
@@ -404,12 +426,12 @@ Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
   switch (c.kind) {
     case Kind::plain:
       diffattn::attention_backward<double>(in.q, in.k, in.v, out, lse, g, gr.dq, gr.dk, gr.dv, o,
-                                           ds);
+                                           ds, mod);
       break;
     case Kind::v1: {
       double dl = 0;
       diffattn::diff_attention_v1_backward<double>(in.q, in.k, in.v, in.lam[0], out, lse, g,
-                                                   gr.dq, gr.dk, gr.dv, dl, o, ds);
+                                                   gr.dq, gr.dk, gr.dv, dl, o, ds, mod);
       break;
     }
     case Kind::v1_heads: {
@@ -417,13 +439,13 @@ Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g) {
       const index_t H = static_cast<index_t>(dl.size());
       diffattn::diff_attention_v1_backward<double>(
           in.q, in.k, in.v, TensorView<const double, 1>(in.lam.data(), {H}), out, lse, g, gr.dq,
-          gr.dk, gr.dv, TensorView<double, 1>(dl.data(), {H}), o, ds);
+          gr.dk, gr.dv, TensorView<double, 1>(dl.data(), {H}), o, ds, mod);
       break;
     }
     default: {
       Tensor<double, 3> dlogit(in.logit.shape());
       diffattn::diff_attention_v2_backward<double>(in.q, in.k, in.v, in.logit, out, lse, g, gr.dq,
-                                                   gr.dk, gr.dv, dlogit, o, ds);
+                                                   gr.dk, gr.dv, dlogit, o, ds, mod);
     }
   }
   return gr;
@@ -442,7 +464,8 @@ double numeric(const Set& set, double x0, double h, const std::function<double()
   return (4 * d2 - d1) / 3;
 }
 
-void check_gradients(Case c, std::uint64_t seed) {
+template <class Mod = diffattn::NoScoreMod>
+void check_gradients(Case c, std::uint64_t seed, const Mod& mod = Mod()) {
   INFO(kind_name(c.kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
                          << " Hkv=" << c.Hkv << " causal=" << c.causal << " window=(" << c.wl
                          << "," << c.wr << ") softcap=" << c.softcap << " alibi=" << c.alibi
@@ -450,8 +473,8 @@ void check_gradients(Case c, std::uint64_t seed) {
   Inputs in = make_inputs(c, seed);
   const bool v1 = c.kind == Kind::v1 || c.kind == Kind::v1_heads;
   const auto g = random_tensor<double, 4>({c.B, c.N, c.H, v1 ? 2 * c.d : c.d}, seed + 9);
-  const Grads gr = backward(c, in, g);
-  const std::function<double()> f = [&] { return loss(c, in, g); };
+  const Grads gr = backward(c, in, g, mod);
+  const std::function<double()> f = [&] { return loss(c, in, g, mod); };
   diffattn::detail::Rng rng(seed + 10);
   auto check_tensor = [&](const char* name, Tensor<double, 4>& x, const Tensor<double, 4>& dx) {
     double scale = 0;
@@ -722,5 +745,147 @@ TEST_CASE("modifiers: packed varlen, i and j within each sequence", "[modifiers]
         }
       }
     }
+  }
+}
+
+namespace {
+
+// A score functor with its derivative: s + 0.3 tanh(s) k / 2, k = (b + h + i + j) % 3.
+struct WarpScore {
+  template <class S>
+  S score(S s, index_t b, index_t h, index_t i, index_t j) const {
+    return s + S(0.15) * std::tanh(s) * static_cast<S>((b + h + i + j) % 3);
+  }
+  template <class S>
+  S dscore(S s, index_t b, index_t h, index_t i, index_t j) const {
+    const S t = std::tanh(s);
+    return S(1) + S(0.15) * (S(1) - t * t) * static_cast<S>((b + h + i + j) % 3);
+  }
+};
+double warp_ref(double s, index_t b, index_t h, index_t i, index_t j) {
+  return s + 0.15 * std::tanh(s) * static_cast<double>((b + h + i + j) % 3);
+}
+
+// Documents of a packed row: token t belongs to document doc[t].
+struct DocumentMask {
+  const index_t* doc;
+  bool visible(index_t, index_t, index_t i, index_t j) const { return doc[i] == doc[j]; }
+};
+
+// Prefix LM: the first `prefix` keys are seen by all, the rest causally, and
+// query head 1 sees no key at all in rows 5 .. 9 (its sink takes their weight).
+struct PrefixLM {
+  index_t prefix;
+  bool visible(index_t, index_t h, index_t i, index_t j) const {
+    if (h == 1 && i >= 5 && i < 10) return false;
+    return j < prefix || j <= i;
+  }
+};
+
+struct Empty {};
+
+struct Both {
+  WarpScore w;
+  PrefixLM v;
+  template <class S>
+  S score(S s, index_t b, index_t h, index_t i, index_t j) const {
+    return w.score(s, b, h, i, j);
+  }
+  bool visible(index_t b, index_t h, index_t i, index_t j) const { return v.visible(b, h, i, j); }
+};
+
+}  // namespace
+
+TEST_CASE("modifiers: user functors (score, visible) in the forward", "[modifiers][functor]") {
+  std::uint64_t seed = 5000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    Case c{kind, 2, 75, 113, 2, 1, 16};
+    c.causal = true;
+    c.fscore = warp_ref;
+    check_case(c, seed++, false, WarpScore{});
+    c.softcap = 3.0f;
+    c.alibi = c.sinks = true;
+    check_case(c, seed++, true, WarpScore{});
+    Case p{kind, 1, 90, 90, 2, 2, 16};
+    p.sinks = true;
+    const PrefixLM plm{17};
+    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) { return plm.visible(b, h, i, j); };
+    check_case(p, seed++, false, plm);
+    Case dn{kind, 1, 4, 50, 2, 1, 16};  // a decoding step's shape: block kernel
+    dn.fscore = warp_ref;
+    const PrefixLM plm2{30};
+    dn.fvisible = [plm2](index_t b, index_t h, index_t i, index_t j) { return plm2.visible(b, h, i, j); };
+    check_case(dn, seed++, false, Both{WarpScore{}, plm2});
+  }
+}
+
+TEST_CASE("modifiers: an empty functor is the kernel without one, bitwise", "[modifiers][functor]") {
+  Case c{Kind::v2, 1, 70, 90, 2, 1, 16};
+  c.causal = true;
+  const Inputs in = make_inputs(c, 21);
+  const auto q = cast<float>(in.q), k = cast<float>(in.k), v = cast<float>(in.v);
+  Tensor<float, 4> a({1, 70, 2, 16}), b(a.shape());
+  Tensor<float, 3> la({1, 4, 70}), lb(la.shape());
+  const AttentionOptions o = options_of(c, in);
+  run_fused<float>(c, in, q, k, v, a, la, o);
+  run_fused<float>(c, in, q, k, v, b, lb, o, Empty{});
+  REQUIRE(test::bitwise_equal(a, b));
+  REQUIRE(test::bitwise_equal(la, lb));
+}
+
+TEST_CASE("modifiers: a document mask functor equals the packed varlen call",
+          "[modifiers][functor]") {
+  const std::vector<index_t> lens = {70, 33, 130, 7, 60};
+  std::vector<index_t> doc;
+  for (std::size_t s = 0; s < lens.size(); ++s) doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
+  const index_t T = static_cast<index_t>(doc.size());
+  Case c{Kind::v1, 1, T, T, 2, 1, 16};
+  c.causal = true;
+  c.softcap = 4.0f;
+  c.alibi = c.sinks = true;
+  const index_t* dp = doc.data();
+  c.fvisible = [dp](index_t, index_t, index_t i, index_t j) { return dp[i] == dp[j]; };
+  check_case(c, 31, false, DocumentMask{dp});
+  // The packed call on the same sequences.
+  const Inputs in = make_inputs(c, 31);
+  Tensor<double, 4> out({1, T, 2, 32}), packed(out.shape());
+  Tensor<double, 3> lse({1, 4, T});
+  Tensor<double, 2> lse_p({4, T});
+  const AttentionOptions o = options_of(c, in);
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o, DocumentMask{dp});
+  auto d3 = [](const Tensor<double, 4>& t) {
+    return TensorView<const double, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+  };
+  diffattn::diff_attention_v1_varlen<double>(
+      d3(in.q), d3(in.k), d3(in.v), in.lam[0], TensorView<double, 3>(packed.data(), {T, 2, 32}),
+      lse_p, diffattn::PackedSequences::from_lengths(lens), o);
+  // ALiBi's distance is within the sequence in the packed call, across the
+  // row for the functor: compare without it.
+  (void)packed;
+  AttentionOptions o2 = o;
+  o2.alibi_slopes = {};
+  run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o2, DocumentMask{dp});
+  diffattn::diff_attention_v1_varlen<double>(
+      d3(in.q), d3(in.k), d3(in.v), in.lam[0], TensorView<double, 3>(packed.data(), {T, 2, 32}),
+      lse_p, diffattn::PackedSequences::from_lengths(lens), o2);
+  REQUIRE(rel_error(out, packed) <= 1e-12);
+  for (index_t h = 0; h < 4; ++h)
+    for (index_t i = 0; i < T; ++i) REQUIRE(std::abs(lse(0, h, i) - lse_p(h, i)) <= 1e-12 * (1 + std::abs(lse_p(h, i))));
+}
+
+TEST_CASE("modifiers: user functors in the backward (finite differences)", "[modifiers][functor]") {
+  std::uint64_t seed = 6000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    Case c{kind, 2, 23, 31, 2, 1, 8};
+    c.causal = true;
+    c.softcap = 2.0f;
+    c.sinks = true;
+    c.fscore = warp_ref;
+    check_gradients(c, seed++, WarpScore{});
+    Case p{kind, 1, 20, 20, 2, 1, 8};
+    p.sinks = true;
+    const PrefixLM plm{6};
+    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) { return plm.visible(b, h, i, j); };
+    check_gradients(p, seed++, plm);
   }
 }

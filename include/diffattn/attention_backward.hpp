@@ -108,6 +108,75 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
   detail::run_attention_backward(bp, options);
 }
 
+/// \name With a user score functor
+/// The backward kernels above with the forward's functor `mod`; one with
+/// `score` must define `dscore` (d score / d s, s the score it was given),
+/// else the call does not compile. The backward evaluates the functor on
+/// every pair of each block's band (no narrowing by `visible`).
+/// @{
+template <class T, class Mod>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
+      q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv, TensorView<T, 1>(&dlambda, {1}),
+      options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
+                                                        dq, dk, dv, dlambda, options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v2_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v2_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
+                                                        dk, dv, dlambda_logit, options);
+  detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void attention_backward(detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const compute_t<T>, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
+                        const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "attention_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp =
+      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
+  detail::attach_dsinks("attention_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+/// @}
+
 /// @}
 
 DIFFATTN_END_NAMESPACE

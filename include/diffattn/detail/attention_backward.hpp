@@ -71,11 +71,12 @@ struct BackwardWorkspace {
   ScratchBuffer<T> s[3];              // dS1, dS2 (or dS), W rows
   ScratchBuffer<T> dq;                // dQ block
   ScratchBuffer<T> th[2];             // softcap: a row's tanh(s / cap) per map
+  ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
 
   void trim() {
     ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0], &kc[1], &vt,   &dkt[0], &dkt[1],
                                &dvt,   &qs[0], &qs[1], &qst[0], &qst[1], &dout, &doutt,
-                               &s[0],  &s[1],  &s[2],  &dq,    &th[0], &th[1]};
+                               &s[0],  &s[1],  &s[2],  &dq,    &th[0], &th[1], &sin[0], &sin[1]};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > Workspace<T>::kRetainBytes)
@@ -103,10 +104,14 @@ void transpose_padded(const T* src, index_t ld, index_t rows, index_t cols, inde
 /// block (query i, n keys from kb, its score rows at r[m] and dW at rw, as
 /// backward_group leaves them) becomes dS_m (with respect to the raw scores)
 /// and W; returns dlambda_i and adds the row's dsink_m to dsink[qh].
-template <class T>
+template <class T, class Mod>
 T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t oh,
                         const HeadMap& hm, index_t i, index_t kb, index_t n, T* const* r, T* rw,
-                        BackwardWorkspace<T>& ws, double* dsink) {
+                        BackwardWorkspace<T>& ws, double* dsink, const Mod& mod) {
+  constexpr bool kScore = has_score<Mod, T>::value, kVisible = has_visible<Mod>::value;
+  static_assert(!kScore || has_dscore<Mod, T>::value,
+                "a score functor with `score` needs `dscore` (d score / d s) in a backward call");
+  T* sin[2] = {nullptr, nullptr};
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
   const AttentionProblem<T>& p = bp.fwd;
   const int maps = p.maps();
@@ -118,13 +123,19 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
     rm[m] = row_mods(p, hm.q[m]);
     if (rm[m].cap > T(0)) th[m] = ws.th[m].get(std::max<index_t>(n, 1));
     modify_scores(r[m], n, rm[m], diag, kb, th[m]);
+    if constexpr (kScore) sin[m] = ws.sin[m].get(std::max<index_t>(n, 1));
+    if constexpr (kScore || kVisible) functor_scores(mod, r[m], n, sq.b, hm.q[m], i - sq.q0, kb, sin[m]);
     ArrayMap a(r[m], n);
     const T lse = p.lse(sq.b, hm.q[m], i);
     if (lse == -std::numeric_limits<T>::infinity()) {
       a.setZero();
     } else {
-      a -= lse;
-      a = a.exp();
+      if constexpr (kVisible) {
+        a = (a == -std::numeric_limits<T>::infinity()).select(T(0), (a - lse).exp());
+      } else {
+        a -= lse;
+        a = a.exp();
+      }
       if (rm[m].has_sink) pz[m] = std::exp(rm[m].sink - lse);
     }
   }
@@ -154,6 +165,11 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
       if (rm[1].has_sink) dsink[hm.q[1]] += static_cast<double>(lambda * pz[1] * e);
     }
   }
+  if constexpr (kScore) {
+    for (int m = 0; m < maps; ++m)
+      for (index_t j = 0; j < n; ++j)
+        r[m][j] *= mod.dscore(sin[m][j], sq.b, hm.q[m], i - sq.q0, kb + j);
+  }
   for (int m = 0; m < maps; ++m)
     if (th[m]) {
       ArrayMap t(th[m], n);
@@ -166,9 +182,10 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
 /// the group, the sum over its rows of dlambda_i (V1 only); dsink (score
 /// modifiers, indexed by query head) the sum over its rows of each sink's
 /// gradient (may be null).
-template <class T>
+template <class T, class Mod = NoScoreMod>
 void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, BackwardWorkspace<T>& ws,
-                    double* dlambda_head, double* dsink = nullptr) {
+                    double* dlambda_head, double* dsink = nullptr, const Mod& mod = Mod()) {
+  constexpr bool functor = is_active_mod<Mod, T>;
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
@@ -265,10 +282,10 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
         T* r0 = s[0] + ii * lds + off;
         T* rw = s[2] + ii * lds + off;
-        if (p.modified) {
+        if (functor || p.modified) {
           T* rows_m[2] = {r0, maps == 2 ? s[1] + ii * lds + off : nullptr};
           const T dlambda_i = backward_row_modified(bp, sq, oh, hm, i, br.begin(ii), n, rows_m,
-                                                    rw, ws, dsink);
+                                                    rw, ws, dsink, mod);
           if (maps == 2) {
             if (p.kind == AttnKind::v2) {
               const T sg = row_lambda(p, sq.b, i, oh);
@@ -388,8 +405,9 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   }
 }
 
-template <class T>
-void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options) {
+template <class T, class Mod = NoScoreMod>
+void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options,
+                                   const Mod& mod = Mod()) {
   const AttentionProblem<T>& p = bp.fwd;
   const index_t groups = p.heads / p.group;
   const index_t seqs = p.num_seqs();
@@ -420,7 +438,7 @@ void run_attention_backward_kernel(const BackwardProblem<T>& bp, const Attention
       double* parts =
           p.kind == AttnKind::v1 ? dlambda_parts.data() + sq * p.heads + g * p.group : nullptr;
       backward_group(bp, sq, g, thread_backward_workspace<T>(), parts,
-                     want_dsinks ? dsink_parts.data() + sq * qheads : nullptr);
+                     want_dsinks ? dsink_parts.data() + sq * qheads : nullptr, mod);
     };
     parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, attention_work(p)), run_task,
                    [] { thread_backward_workspace<T>().trim(); });
@@ -458,6 +476,16 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
 #else
   run_attention_backward_kernel(bp, options);
 #endif
+}
+
+/// With a user functor: always here, header-only (see run_attention).
+template <class T, class Mod>
+void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions& options,
+                            const Mod& mod) {
+  if constexpr (is_active_mod<Mod, T>)
+    run_attention_backward_kernel(bp, options, mod);
+  else
+    run_attention_backward(bp, options);
 }
 
 }  // namespace detail

@@ -12,14 +12,108 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
 #include "../config.hpp"
+#include "../options.hpp"
+#include "block_info.hpp"
 #include "validate.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
+
+/// Members of a user score functor (options.hpp, NoScoreMod), detected at
+/// compile time: a member that is absent adds nothing to the kernels.
+template <class Mod, class S, class = void>
+struct has_score : std::false_type {};
+template <class Mod, class S>
+struct has_score<Mod, S,
+                 std::void_t<decltype(std::declval<const Mod&>().score(
+                     std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
+    : std::true_type {};
+template <class Mod, class = void>
+struct has_visible : std::false_type {};
+template <class Mod>
+struct has_visible<Mod, std::void_t<decltype(static_cast<bool>(std::declval<const Mod&>().visible(
+                            index_t(), index_t(), index_t(), index_t())))>> : std::true_type {};
+template <class Mod, class S, class = void>
+struct has_dscore : std::false_type {};
+template <class Mod, class S>
+struct has_dscore<Mod, S,
+                  std::void_t<decltype(std::declval<const Mod&>().dscore(
+                      std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
+    : std::true_type {};
+/// A functor the kernels must call (score or visible).
+template <class Mod, class S>
+constexpr bool is_active_mod = has_score<Mod, S>::value || has_visible<Mod>::value;
+
+/// The functor's score and mask on the n scores w of keys kb .. kb + n - 1 of
+/// query i (batch entry b, query head h), after the run-time modifiers: a
+/// masked pair becomes -inf. When `score_in` is given it receives the scores
+/// the functor's score was given (the backward's dscore takes them).
+template <class Mod, class C>
+void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index_t i, index_t kb,
+                    C* score_in = nullptr) {
+  if constexpr (has_score<Mod, C>::value) {
+    for (index_t t = 0; t < n; ++t) {
+      if (score_in) score_in[t] = w[t];
+      w[t] = mod.score(w[t], b, h, i, kb + t);
+    }
+  }
+  if constexpr (has_visible<Mod>::value) {
+    for (index_t t = 0; t < n; ++t)
+      if (!mod.visible(b, h, i, kb + t)) w[t] = -std::numeric_limits<C>::infinity();
+  }
+  (void)mod, (void)w, (void)n, (void)b, (void)h, (void)i, (void)kb, (void)score_in;
+}
+
+/// The rows of a block narrowed to [lo, hi), the keys some row of the block
+/// sees under the functor's `visible` (begin and end stay non-decreasing).
+struct ClampedRows : BlockRows {
+  index_t lo = 0, hi = 0;
+  index_t begin(index_t ii) const { return std::max(BlockRows::begin(ii), lo); }
+  index_t end(index_t ii) const { return std::min(BlockRows::end(ii), hi); }
+  index_t count(index_t ii) const { return std::max<index_t>(0, end(ii) - begin(ii)); }
+};
+
+/// The per-call block classification of a `visible` functor: the keys the
+/// block's rows see in the band [begin, end) are narrowed to the hull of the
+/// pairs visible for some row and map, found by evaluating visible key by
+/// key from each end of the band until one is. Tiles outside the hull (the
+/// other documents of a packed row, a prefix no row sees) are never
+/// computed; inside it the pairs are evaluated again, one by one, in the
+/// softmax step (functor_scores).
+template <class Mod>
+ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh, int maps) {
+  ClampedRows cr;
+  static_cast<BlockRows&>(cr) = br;
+  const index_t jb = br.begin(0), je = std::max(jb, br.end(br.rows - 1));
+  auto seen = [&](index_t j) {
+    for (index_t ii = 0; ii < br.rows; ++ii) {
+      if (j < br.begin(ii) || j >= br.end(ii)) continue;
+      for (int m = 0; m < maps; ++m)
+        if (mod.visible(b, qh[m], br.i0 + ii, j)) return true;
+    }
+    return false;
+  };
+  cr.lo = cr.hi = jb;  // nothing visible: every row empty
+  bool found = false;
+  for (index_t j = jb; j < je && !found; ++j)
+    if (seen(j)) {
+      cr.lo = j;
+      found = true;
+    }
+  if (!found) return cr;
+  for (index_t j = je; j-- > cr.lo;)
+    if (seen(j)) {
+      cr.hi = j + 1;
+      break;
+    }
+  return cr;
+}
 
 /// The modifiers of one query head in the compute type C.
 template <class C>
