@@ -3,6 +3,7 @@
 // its cap, its ALiBi bias, the mask and the sink column explicitly.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <limits>
 #include <type_traits>
@@ -13,6 +14,7 @@
 #include <diffattn/attention_backward.hpp>
 #include <diffattn/kv_cache.hpp>
 #include <diffattn/kvcache_attention.hpp>
+#include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
 
 #include "attention_support.hpp"
@@ -253,19 +255,17 @@ void check_case(const Case& c, std::uint64_t seed, bool half = false, const Mod&
   if (half) check_storage<diffattn::bfloat16>(c, in, ref, 2e-2, 2e-2, mod);
 }
 
+// Each modifier alone, and all three.
 std::vector<Case> modifier_mixes(Case base) {
   std::vector<Case> out;
-  const float caps[] = {0.0f, 3.0f};
-  for (float cap : caps)
-    for (int alibi = 0; alibi < 2; ++alibi)
-      for (int sinks = 0; sinks < 2; ++sinks) {
-        if (cap == 0 && !alibi && !sinks) continue;
-        Case c = base;
-        c.softcap = cap;
-        c.alibi = alibi;
-        c.sinks = sinks;
-        out.push_back(c);
-      }
+  const int mixes[][3] = {{1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {1, 1, 1}};
+  for (const auto& m : mixes) {
+    Case c = base;
+    c.softcap = m[0] ? 3.0f : 0.0f;
+    c.alibi = m[1];
+    c.sinks = m[2];
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -888,4 +888,93 @@ TEST_CASE("modifiers: user functors in the backward (finite differences)", "[mod
     p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) { return plm.visible(b, h, i, j); };
     check_gradients(p, seed++, plm);
   }
+}
+
+TEST_CASE("modifiers: standard ALiBi slopes", "[modifiers][layer]") {
+  const std::vector<float> s8 = diffattn::standard_alibi_slopes(8);
+  REQUIRE(s8.size() == 8);
+  for (int i = 0; i < 8; ++i) REQUIRE(s8[static_cast<std::size_t>(i)] == std::ldexp(1.0f, -(i + 1)));
+  const std::vector<float> s6 = diffattn::standard_alibi_slopes(6);  // 4 of m = 4, then 2 of 8
+  const float want6[] = {0.25f, 0.0625f, 0.015625f, 0.00390625f, 0.5f, 0.125f};
+  for (int i = 0; i < 6; ++i) REQUIRE(s6[static_cast<std::size_t>(i)] == want6[i]);
+}
+
+namespace {
+
+// A layer with softcap, ALiBi and learned sinks: `sinks` (2H) is a parameter
+// with a gradient (finite differences through the layer) and survives a
+// safetensors round trip.
+template <class Layer, class Config>
+void check_layer(Config cfg, const char* path) {
+  cfg.rope = false;
+  cfg.softcap = 4.0f;
+  cfg.alibi = true;
+  cfg.sinks = true;
+  Layer layer(cfg, 5);
+  const index_t Hq = 2 * cfg.num_heads;
+  auto params = layer.parameters();
+  REQUIRE(params.count("sinks") == 1);
+  REQUIRE(params.at("sinks").shape(0) == Hq);
+  REQUIRE(Layer::parameter_shapes(cfg).at("sinks") == std::vector<index_t>{Hq});
+  for (index_t h = 0; h < Hq; ++h) params.at("sinks")(h) = 0.25 * static_cast<double>(h) - 0.5;
+  const auto x = random_tensor<double, 3>({2, 9, cfg.embed_dim}, 40);
+  const auto g = random_tensor<double, 3>({2, 9, cfg.embed_dim}, 41);
+  auto loss_of = [&] {
+    const Tensor<double, 3> y = layer.forward(x);
+    double l = 0;
+    for (index_t t = 0; t < y.size(); ++t) l += y.data()[t] * g.data()[t];
+    return l;
+  };
+  const double l0 = loss_of();
+  layer.zero_grad();
+  layer.backward(g);
+  const auto grads = layer.gradients();
+  const TensorView<double, 1> ds = grads.at("sinks");
+  double scale = 0;
+  for (index_t h = 0; h < Hq; ++h) scale = std::max(scale, std::abs(ds(h)));
+  REQUIRE(scale > 0);
+  for (index_t h = 0; h < Hq; ++h) {
+    double& p = params.at("sinks")(h);
+    const double p0 = p, step = 0x1p-8;  // the kernel reads sinks as float: exact steps
+    p = p0 + step;
+    const double lp = loss_of();
+    p = p0 - step;
+    const double lm = loss_of();
+    p = p0 + step / 2;
+    const double lp2 = loss_of();
+    p = p0 - step / 2;
+    const double lm2 = loss_of();
+    p = p0;
+    const double num = (4 * (lp2 - lm2) / step - (lp - lm) / (2 * step)) / 3;
+    INFO("sinks[" << h << "]: layer " << ds(h) << ", numeric " << num);
+    CHECK(std::abs(ds(h) - num) <= 1e-6 * (1 + scale));
+  }
+  layer.save_safetensors(path);
+  Layer loaded(cfg, 99);
+  loaded.load_safetensors(path);
+  REQUIRE(loaded.parameters().at("sinks")(1) == params.at("sinks")(1));
+  const Tensor<double, 3> y0 = layer.forward(x), y1 = loaded.forward(x);
+  REQUIRE(test::bitwise_equal(y0, y1));
+  (void)l0;
+  std::remove(path);
+  // The softcap is checked.
+  Config bad = cfg;
+  bad.softcap = -1.0f;
+  test::require_error([&] { Layer l(bad); }, {"softcap"});
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: V1 and V2 layers with softcap, ALiBi and learned sinks",
+          "[modifiers][layer]") {
+  diffattn::DiffAttnV1Config c1;
+  c1.embed_dim = 32;
+  c1.num_heads = 2;
+  c1.num_kv_heads = 1;
+  check_layer<diffattn::MultiheadDiffAttnV1<double>>(c1, "test_modifiers_v1.safetensors");
+  diffattn::DiffAttnV2Config c2;
+  c2.embed_dim = 32;
+  c2.num_heads = 2;
+  c2.num_kv_heads = 1;
+  check_layer<diffattn::MultiheadDiffAttnV2<double>>(c2, "test_modifiers_v2.safetensors");
 }

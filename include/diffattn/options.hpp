@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <vector>
 
 #include "config.hpp"
 #include "detail/format.hpp"
@@ -66,6 +67,23 @@ struct AttentionOptions {
 /// head h in batch entry b; visible false masks the pair; dscore is
 /// d score / d s, which a backward call needs when score is defined.
 struct NoScoreMod {};
+
+/// The standard ALiBi slopes (Press et al., BLOOM) of n heads: for n a power
+/// of two, 2^(-8 i / n) for heads i = 1 .. n; otherwise those of the largest
+/// power of two m < n, then the odd-numbered slopes of 2m for the n - m
+/// heads left. A differential layer passes its 2H query heads, so the two
+/// maps of a DIFF head get slopes of their own.
+inline std::vector<float> standard_alibi_slopes(index_t n) {
+  std::vector<float> out;
+  if (n <= 0) return out;
+  index_t m = 1;
+  while (2 * m <= n) m *= 2;
+  for (index_t i = 1; i <= m; ++i)
+    out.push_back(static_cast<float>(std::pow(2.0, -8.0 * static_cast<double>(i) / m)));
+  for (index_t i = 1; static_cast<index_t>(out.size()) < n; i += 2)
+    out.push_back(static_cast<float>(std::pow(2.0, -8.0 * static_cast<double>(i) / (2 * m))));
+  return out;
+}
 
 namespace detail {
 

@@ -552,7 +552,7 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
 /// Attaches the optional gradient of the sinks, (Hq): only with options.sinks.
 template <class T>
 void attach_dsinks(const char* fn, BackwardProblem<T>& bp, const TensorView<T, 1>& dsinks) {
-  if (dsinks.data() == nullptr && dsinks.size() == 0) return;
+  if (dsinks.empty()) return;  // (a (0) view as well: not wanted)
   if (bp.fwd.sinks.empty())
     fail(fn, "dsinks ", shape_str(dsinks.shape()),
          " is the gradient of options.sinks, which is empty: pass an empty dsinks");
