@@ -772,6 +772,18 @@ struct DocumentMask {
   bool visible(index_t, index_t, index_t i, index_t j) const { return doc[i] == doc[j]; }
 };
 
+// The same with visible_block: whole chunks classified from the documents'
+// ranges (doc is non-decreasing).
+struct DocumentBlocks {
+  const index_t* doc;
+  bool visible(index_t, index_t, index_t i, index_t j) const { return doc[i] == doc[j]; }
+  int visible_block(index_t, index_t, index_t i0, index_t i1, index_t j0, index_t j1) const {
+    const index_t qa = doc[i0], qb = doc[i1 - 1], ka = doc[j0], kb = doc[j1 - 1];
+    if (qb < ka || kb < qa) return 0;
+    return qa == qb && ka == kb && qa == ka ? 2 : 1;
+  }
+};
+
 // Prefix LM: the first `prefix` keys are seen by all, the rest causally, and
 // query head 1 sees no key at all in rows 5 .. 9 (its sink takes their weight).
 struct PrefixLM {
@@ -846,6 +858,10 @@ TEST_CASE("modifiers: a document mask functor equals the packed varlen call",
   const index_t* dp = doc.data();
   c.fvisible = [dp](index_t, index_t, index_t i, index_t j) { return dp[i] == dp[j]; };
   check_case(c, 31, false, DocumentMask{dp});
+  check_case(c, 31, false, DocumentBlocks{dp});
+  Case n = c;  // not causal: the later documents' keys lie in every band
+  n.causal = false;
+  check_case(n, 32, false, DocumentBlocks{dp});
   // The packed call on the same sequences.
   const Inputs in = make_inputs(c, 31);
   Tensor<double, 4> out({1, T, 2, 32}), packed(out.shape());
@@ -869,6 +885,10 @@ TEST_CASE("modifiers: a document mask functor equals the packed varlen call",
       d3(in.q), d3(in.k), d3(in.v), in.lam[0], TensorView<double, 3>(packed.data(), {T, 2, 32}),
       lse_p, diffattn::PackedSequences::from_lengths(lens), o2);
   REQUIRE(rel_error(out, packed) <= 1e-12);
+  Tensor<double, 4> blocks(out.shape());
+  Tensor<double, 3> lse_b(lse.shape());
+  run_fused<double>(c, in, in.q, in.k, in.v, blocks, lse_b, o2, DocumentBlocks{dp});
+  REQUIRE(rel_error(blocks, packed) <= 1e-12);
   for (index_t h = 0; h < 4; ++h)
     for (index_t i = 0; i < T; ++i) REQUIRE(std::abs(lse(0, h, i) - lse_p(h, i)) <= 1e-12 * (1 + std::abs(lse_p(h, i))));
 }

@@ -98,7 +98,7 @@ struct FusedRows {
       const RowMods<C> rm = row_mods(p, hm.q[m]);
       modify_scores(rows[m], n, rm, diag, kb);
       if constexpr (kFunctor) functor_scores(mod, rows[m], n, sq.b, hm.q[m], i - sq.q0, kb);
-      const RowStats<C> st = exp_row(rows[m], n, kVisible);
+      const RowStats<C> st = kVisible ? exp_row_masked(rows[m], n) : exp_row(rows[m], n, false);
       SinkNorm<C> sn{st.sum > C(0) ? C(1) / st.sum : C(0), row_lse(st)};
       if (rm.has_sink) sn = sink_norm(st, rm.sink);
       if (p.has_lse()) p.lse(sq.b, hm.q[m], i) = sn.lse;

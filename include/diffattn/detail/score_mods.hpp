@@ -46,6 +46,20 @@ struct has_dscore<Mod, S,
                   std::void_t<decltype(std::declval<const Mod&>().dscore(
                       std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
     : std::true_type {};
+/// Optional with `visible`: visible_block(b, h, i0, i1, j0, j1) classifies the
+/// pairs [i0, i1) x [j0, j1): 0 when none is visible, 2 when all are, 1 when
+/// some are (or it cannot tell cheaply). FlexAttention's block mask, asked
+/// for each block instead of stored.
+template <class Mod, class = void>
+struct has_visible_block : std::false_type {};
+template <class Mod>
+struct has_visible_block<Mod, std::void_t<decltype(static_cast<int>(
+                                  std::declval<const Mod&>().visible_block(
+                                      index_t(), index_t(), index_t(), index_t(), index_t(),
+                                      index_t())))>> : std::true_type {};
+/// Keys per chunk classified by visible_block.
+constexpr index_t kVisibleChunk = 64;
+
 /// A functor the kernels must call (score or visible).
 template <class Mod, class S>
 constexpr bool is_active_mod = has_score<Mod, S>::value || has_visible<Mod>::value;
@@ -64,8 +78,20 @@ void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index
     }
   }
   if constexpr (has_visible<Mod>::value) {
-    for (index_t t = 0; t < n; ++t)
-      if (!mod.visible(b, h, i, kb + t)) w[t] = -std::numeric_limits<C>::infinity();
+    constexpr C ninf = -std::numeric_limits<C>::infinity();
+    if constexpr (has_visible_block<Mod>::value) {
+      // Chunks that visible_block calls all visible or none cost one call.
+      for (index_t t0 = 0; t0 < n; t0 += kVisibleChunk) {
+        const index_t t1 = std::min(n, t0 + kVisibleChunk);
+        const int cls = mod.visible_block(b, h, i, i + 1, kb + t0, kb + t1);
+        if (cls == 2) continue;
+        for (index_t t = t0; t < t1; ++t)
+          if (cls == 0 || !mod.visible(b, h, i, kb + t)) w[t] = ninf;
+      }
+    } else {
+      for (index_t t = 0; t < n; ++t)
+        if (!mod.visible(b, h, i, kb + t)) w[t] = ninf;
+    }
   }
   (void)mod, (void)w, (void)n, (void)b, (void)h, (void)i, (void)kb, (void)score_in;
 }
@@ -81,16 +107,41 @@ struct ClampedRows : BlockRows {
 
 /// The per-call block classification of a `visible` functor: the keys the
 /// block's rows see in the band [begin, end) are narrowed to the hull of the
-/// pairs visible for some row and map, found by evaluating visible key by
-/// key from each end of the band until one is. Tiles outside the hull (the
-/// other documents of a packed row, a prefix no row sees) are never
-/// computed; inside it the pairs are evaluated again, one by one, in the
-/// softmax step (functor_scores).
+/// pairs visible for some row and map, found from each end of the band by
+/// evaluating visible key by key (or, when the functor has visible_block,
+/// chunk by chunk of kVisibleChunk keys) until one is. Tiles outside the hull
+/// (the other documents of a packed row, a prefix no row sees) are never
+/// computed; inside it the softmax step masks the pairs (functor_scores:
+/// every pair evaluated, or only those of the chunks visible_block calls
+/// partial).
 template <class Mod>
 ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh, int maps) {
   ClampedRows cr;
   static_cast<BlockRows&>(cr) = br;
   const index_t jb = br.begin(0), je = std::max(jb, br.end(br.rows - 1));
+  if constexpr (has_visible_block<Mod>::value) {
+    // Chunks of kVisibleChunk keys, classified for the block's rows at once.
+    const index_t i0 = br.i0, i1 = br.i0 + br.rows;
+    auto any = [&](index_t j0, index_t j1) {
+      for (int m = 0; m < maps; ++m)
+        if (mod.visible_block(b, qh[m], i0, i1, j0, j1) != 0) return true;
+      return false;
+    };
+    cr.lo = cr.hi = jb;
+    bool found = false;
+    for (index_t j = jb; j < je && !found; j += kVisibleChunk)
+      if (any(j, std::min(je, j + kVisibleChunk))) {
+        cr.lo = j;
+        found = true;
+      }
+    if (!found) return cr;
+    for (index_t j = je; j > cr.lo; j -= std::min(kVisibleChunk, j - cr.lo))
+      if (any(std::max(cr.lo, j - kVisibleChunk), j)) {
+        cr.hi = j;
+        break;
+      }
+    return cr;
+  }
   auto seen = [&](index_t j) {
     for (index_t ii = 0; ii < br.rows; ++ii) {
       if (j < br.begin(ii) || j >= br.end(ii)) continue;

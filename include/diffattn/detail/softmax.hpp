@@ -58,6 +58,32 @@ inline T exp_shift_sum(T* x, index_t n, T m) {
   return sum;
 }
 
+/// exp_shift_sum for a row whose masked entries are -inf: they become exactly
+/// 0 (a vectorised exp(-inf) may return a denormal), in the same single
+/// vectorised pass.
+template <class T>
+inline T exp_shift_sum_masked(T* x, index_t n, T m) {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  constexpr index_t P = Eigen::internal::packet_traits<T>::size;
+  using namespace Eigen::internal;  // NOLINT: Eigen's packet vocabulary
+  const Packet pm = pset1<Packet>(m), ninf = pset1<Packet>(-std::numeric_limits<T>::infinity());
+  const Packet zero = pset1<Packet>(T(0));
+  Packet acc = zero;
+  index_t j = 0;
+  for (; j + P <= n; j += P) {
+    const Packet v = ploadu<Packet>(x + j);
+    const Packet e = pselect(pcmp_eq(v, ninf), zero, pexp(psub(v, pm)));
+    pstoreu(x + j, e);
+    acc = padd(acc, e);
+  }
+  T sum = predux(acc);
+  for (; j < n; ++j) {
+    x[j] = x[j] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
 /// In-place exp(x - max) of one row; see the header comment for special rows.
 /// When the row may hold -inf entries (an explicit mask), pass has_masked = true
 /// so that they become exactly 0 (a vectorised exp(-inf) may return a denormal).
@@ -91,6 +117,15 @@ inline RowStats<T> exp_row(T* x, index_t n, bool has_masked) {
   a -= m;
   a = (a == -inf).select(T(0), a.exp());
   return {m, a.sum()};
+}
+
+/// exp_row for rows with -inf entries (masked pairs), vectorised: the same
+/// special rows as exp_row (NaN, all masked, +inf).
+template <class T>
+inline RowStats<T> exp_row_masked(T* x, index_t n) {
+  const T m = row_max(x, n);
+  if (std::isfinite(m)) return {m, exp_shift_sum_masked(x, n, m)};
+  return exp_row(x, n, true);
 }
 
 /// log-sum-exp from RowStats: -inf for a fully masked row.
