@@ -138,6 +138,7 @@ template <class T>
 AttentionStats analysis_run_checked(const char* fn, AttentionProblem<T> p, bool want_out,
                                     const AttentionOptions& options,
                                     const AnalysisOptions& analysis) {
+  refuse_score_mods(fn, options);  // the measuring rows know no modifiers
   const AnalysisSpec spec = analysis_spec(fn, p, analysis);
   if (!want_out) p.out = TensorView<T, 4>();
   return run_analysis<AttentionStats>(p, spec, options);

@@ -59,6 +59,12 @@ struct DiffAttnV1Config {
   index_t head_dim = 0;
   /// Epsilon of the per-head RMSNorm (DiffLlama's rms_norm_eps).
   double norm_eps = 1e-5;
+  /// Score modifiers, as DiffAttnV2Config's: softcap (0: none), ALiBi with
+  /// standard_alibi_slopes(2H) (both maps' query heads), learned sinks, the
+  /// parameter `sinks` (2H), initialised to 0.
+  float softcap = 0;
+  bool alibi = false;
+  bool sinks = false;
 };
 
 /// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
@@ -218,6 +224,8 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
       this->fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
     const index_t b = x.shape(0), n = x.shape(1);
     Tensor<C, 4> q, k, v;
+    if (mods_.any(cfg_.sinks))
+      this->fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
     project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
     const C lambda = lambda_full();
     Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
@@ -294,7 +302,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
         lambda_k1_({d_}),
         lambda_q2_({d_}),
         lambda_k2_({d_}),
-        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}) {}
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
+        sinks_({cfg_.sinks ? 2 * cfg_.num_heads : 0}),
+        mods_(cfg_.softcap, cfg_.alibi, 2 * cfg_.num_heads) {
+    std::fill(sinks_.data(), sinks_.data() + sinks_.size(), T(0));
+  }
 
   // Backward once ModuleBase::backward has checked dy against the kept state.
   Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
@@ -315,6 +327,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
 
     Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
     T dlambda = 0;
+    Tensor<T, 1> dsinks({cfg_.sinks ? 2 * h : 0});  // (2H) or (0): no sinks
     const T lambda = static_cast<T>(saved_.lambda.value());
     if (saved_.packed) {
       using detail::drop_batch;
@@ -322,11 +335,13 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
           drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
           lambda, drop_batch(saved_.attn.cview()), drop_batch(saved_.lse.cview()),
           drop_batch(dattn.cview()), drop_batch(dq.view()), drop_batch(dk.view()),
-          drop_batch(dv.view()), dlambda, saved_.seqs, options());
+          drop_batch(dv.view()), dlambda, saved_.seqs, options(), dsinks.view());
     } else {
       diff_attention_v1_backward<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn, saved_.lse,
-                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options());
+                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options(),
+                                    dsinks.view());
     }
+    if (cfg_.sinks) detail::module_add(grads_.at("sinks"), dsinks.data(), 2 * h);
     // lambda_full = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
     const double g1 = static_cast<double>(dlambda) * saved_.lambda.e1;
     const double g2 = -static_cast<double>(dlambda) * saved_.lambda.e2;
@@ -444,6 +459,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
     detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
+    detail::module_check_softcap(fn, c.softcap);
     return c;
   }
 
@@ -468,7 +484,10 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   }
 
   AttentionOptions options() const {
-    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    AttentionOptions o =
+        detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    mods_.apply(o, cfg_.sinks ? sinks_.data() : static_cast<const T*>(nullptr), sinks_.size());
+    return o;
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
@@ -502,6 +521,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
         {"lambda_k2", {d}, vptr(&MultiheadDiffAttnV1::lambda_k2_)}};
     if (c.norm_affine)
       l.push_back({"subln.weight", {2 * d}, vptr(&MultiheadDiffAttnV1::subln_weight_)});
+    if (c.sinks) l.push_back({"sinks", {2 * c.num_heads}, vptr(&MultiheadDiffAttnV1::sinks_)});
     return l;
   }
 
@@ -514,6 +534,8 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   Tensor<T, 2> out_proj_;                                       // (E, 2H d)
   Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
+  Tensor<T, 1> sinks_;                                          // (2H) learned sinks, or (0)
+  detail::ModuleMods mods_;
   Saved saved_;
 };
 

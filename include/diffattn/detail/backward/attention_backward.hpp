@@ -9,6 +9,13 @@
 //   dQ_m   = s dS_m K_m,  dK_m = s dS_m^T Q_m
 // Plain attention is the one-map case (dS = A o (dW - D)).
 //
+// Score modifiers (score_mods.hpp) change only the per-row step: the scores
+// are modified as in the forward before A_m = exp(S'_m - lse_m) (lse holds the
+// sink), dS_m is taken with respect to the modified scores and multiplied by
+// the softcap's derivative 1 - tanh^2 (ALiBi's bias is a constant); a sink of
+// weight P_m = exp(sink - lse_m) has dsink_m = -P_m D_m with D_m the row's
+// sum_j A_m dL/dA_m: -P1 D1 for map 1, lambda P2 E for map 2.
+//
 // One task owns one (sequence, kv group): every output head of the group and all
 // its query blocks run in the task, so dK and dV accumulate without sharing,
 // and in a fixed order (results do not depend on the thread count). Per query
@@ -32,6 +39,7 @@
 #include "../kernel/dispatch.hpp"
 #include "../kernel/gemm.hpp"
 #include "../kernel/mask.hpp"
+#include "../kernel/score_mods.hpp"
 #include "../kernel/tile.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -49,6 +57,9 @@ struct BackwardProblem {
   // row's dS = A o (dW - D) needs; lse is then the lse over all keys too.
   // Empty: D is computed from the keys at hand (they are all the keys).
   TensorView<const T, 3> delta;
+  // Gradients of the sinks (options.sinks), (Hq), summed over batch and rows;
+  // empty: not wanted.
+  TensorView<T, 1> dsinks;
 };
 
 template <class T>
@@ -59,11 +70,13 @@ struct BackwardWorkspace {
   ScratchBuffer<T> dout, doutt;       // dO block and its transpose
   ScratchBuffer<T> s[3];              // dS1, dS2 (or dS), W rows
   ScratchBuffer<T> dq;                // dQ block
+  ScratchBuffer<T> th[2];             // softcap: a row's tanh(s / cap) per map
+  ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
 
   void trim() {
-    ScratchBuffer<T>* all[] = {&kt[0],  &kt[1], &kc[0], &kc[1], &vt,     &dkt[0],
-                               &dkt[1], &dvt,   &qs[0], &qs[1], &qst[0], &qst[1],
-                               &dout,   &doutt, &s[0],  &s[1],  &s[2],   &dq};
+    ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0], &kc[1], &vt,   &dkt[0], &dkt[1],
+                               &dvt,   &qs[0], &qs[1], &qst[0], &qst[1], &dout, &doutt,
+                               &s[0],  &s[1],  &s[2],  &dq,    &th[0], &th[1], &sin[0], &sin[1]};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > Workspace<T>::kRetainBytes)
@@ -87,11 +100,92 @@ void transpose_padded(const T* src, index_t ld, index_t rows, index_t cols, inde
     for (index_t c = 0; c < cols; ++c) dst[c * rows_pad + r] = src[r * ld + c];
 }
 
+/// The per-row step of backward_group under score modifiers: row ii of the
+/// block (query i, n keys from kb, its score rows at r[m] and dW at rw, as
+/// backward_group leaves them) becomes dS_m (with respect to the raw scores)
+/// and W; returns dlambda_i and adds the row's dsink_m to dsink[qh].
+template <class T, class Mod>
+T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t oh,
+                        const HeadMap& hm, index_t i, index_t kb, index_t n, T* const* r, T* rw,
+                        BackwardWorkspace<T>& ws, double* dsink, const Mod& mod) {
+  constexpr bool kScore = has_score<Mod, T>::value, kVisible = has_visible<Mod>::value;
+  static_assert(!kScore || has_dscore<Mod, T>::value,
+                "a score functor with `score` needs `dscore` (d score / d s) in a backward call");
+  T* sin[2] = {nullptr, nullptr};
+  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  const AttentionProblem<T>& p = bp.fwd;
+  const int maps = p.maps();
+  const index_t diag = (i - sq.q0) + sq.m - sq.n;
+  RowMods<T> rm[2];
+  T* th[2] = {nullptr, nullptr};
+  T pz[2] = {T(0), T(0)};  // sink weight of each map
+  for (int m = 0; m < maps; ++m) {
+    rm[m] = row_mods(p, hm.q[m]);
+    if (rm[m].cap > T(0)) th[m] = ws.th[m].get(std::max<index_t>(n, 1));
+    modify_scores(r[m], n, rm[m], diag, kb, th[m]);
+    if constexpr (kScore) sin[m] = ws.sin[m].get(std::max<index_t>(n, 1));
+    if constexpr (kScore || kVisible) functor_scores(mod, r[m], n, sq.b, hm.q[m], i - sq.q0, kb, sin[m]);
+    ArrayMap a(r[m], n);
+    const T lse = p.lse(sq.b, hm.q[m], i);
+    if (lse == -std::numeric_limits<T>::infinity()) {
+      a.setZero();
+    } else {
+      if constexpr (kVisible) {
+        a = (a == -std::numeric_limits<T>::infinity()).select(T(0), (a - lse).exp());
+      } else {
+        a -= lse;
+        a = a.exp();
+      }
+      if (rm[m].has_sink) pz[m] = std::exp(rm[m].sink - lse);
+    }
+  }
+  ArrayMap dw(rw, n), a1(r[0], n);
+  T dlambda_i = T(0);
+  if (maps == 1) {
+    const T dsum = bp.delta.empty() ? T((a1 * dw).sum()) : bp.delta(sq.b, hm.q[0], i);
+    for (index_t j = 0; j < n; ++j) {
+      const T x = r[0][j];
+      r[0][j] = x * (rw[j] - dsum);
+      rw[j] = x;
+    }
+    if (dsink && rm[0].has_sink) dsink[hm.q[0]] -= static_cast<double>(pz[0] * dsum);
+  } else {
+    ArrayMap a2(r[1], n);
+    const T lambda = row_lambda(p, sq.b, i, oh);
+    const T d1 = (a1 * dw).sum(), e = (a2 * dw).sum();
+    dlambda_i = -e;
+    for (index_t j = 0; j < n; ++j) {
+      const T x1 = r[0][j], x2 = r[1][j], g_ = rw[j];
+      r[0][j] = x1 * (g_ - d1);
+      r[1][j] = -lambda * x2 * (g_ - e);
+      rw[j] = x1 - lambda * x2;
+    }
+    if (dsink) {
+      if (rm[0].has_sink) dsink[hm.q[0]] -= static_cast<double>(pz[0] * d1);
+      if (rm[1].has_sink) dsink[hm.q[1]] += static_cast<double>(lambda * pz[1] * e);
+    }
+  }
+  if constexpr (kScore) {
+    for (int m = 0; m < maps; ++m)
+      for (index_t j = 0; j < n; ++j)
+        r[m][j] *= mod.dscore(sin[m][j], sq.b, hm.q[m], i - sq.q0, kb + j);
+  }
+  for (int m = 0; m < maps; ++m)
+    if (th[m]) {
+      ArrayMap t(th[m], n);
+      ArrayMap(r[m], n) *= T(1) - t * t;
+    }
+  return dlambda_i;
+}
+
 /// One (sequence, kv group) task. dlambda_head receives, per output head of
-/// the group, the sum over its rows of dlambda_i (V1 only).
-template <class T>
+/// the group, the sum over its rows of dlambda_i (V1 only); dsink (score
+/// modifiers, indexed by query head) the sum over its rows of each sink's
+/// gradient (may be null).
+template <class T, class Mod = NoScoreMod>
 void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, BackwardWorkspace<T>& ws,
-                    double* dlambda_head) {
+                    double* dlambda_head, double* dsink = nullptr, const Mod& mod = Mod()) {
+  constexpr bool functor = is_active_mod<Mod, T>;
   using Cfg = TileConfig<T>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
@@ -188,6 +282,26 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
         T* r0 = s[0] + ii * lds + off;
         T* rw = s[2] + ii * lds + off;
+        if (functor || p.modified) {
+          T* rows_m[2] = {r0, maps == 2 ? s[1] + ii * lds + off : nullptr};
+          const T dlambda_i = backward_row_modified(bp, sq, oh, hm, i, br.begin(ii), n, rows_m,
+                                                    rw, ws, dsink, mod);
+          if (maps == 2) {
+            if (p.kind == AttnKind::v2) {
+              const T sg = row_lambda(p, sq.b, i, oh);
+              bp.dlambda_logit(sq.b, i, oh) = dlambda_i * sg * (T(1) - sg);
+            } else {
+              dlambda_sum += static_cast<double>(dlambda_i);
+            }
+          }
+          for (int m = 0; m < 3; ++m) {
+            if (!s[m]) continue;
+            T* row = s[m] + ii * lds;
+            std::fill(row, row + off, T(0));
+            std::fill(row + off + n, row + lds, T(0));
+          }
+          continue;
+        }
         ArrayMap a1(r0, n), dw(rw, n);
         const T lse1 = p.lse(sq.b, hm.q[0], i);
         if (lse1 == -std::numeric_limits<T>::infinity())
@@ -291,14 +405,19 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   }
 }
 
-template <class T>
-void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options) {
+template <class T, class Mod = NoScoreMod>
+void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options,
+                                   const Mod& mod = Mod()) {
   const AttentionProblem<T>& p = bp.fwd;
   const index_t groups = p.heads / p.group;
   const index_t seqs = p.num_seqs();
   const index_t tasks = seqs * groups;
   // Per (sequence, head) sums of dlambda_i, reduced in a fixed order below.
   std::vector<double> dlambda_parts(static_cast<std::size_t>(seqs * p.heads), 0.0);
+  // Per (sequence, query head) sums of the sinks' gradients.
+  const index_t qheads = p.q.shape(2);
+  const bool want_dsinks = !bp.dsinks.empty();
+  std::vector<double> dsink_parts(want_dsinks ? static_cast<std::size_t>(seqs * qheads) : 0, 0.0);
   auto zero_all = [&] {
     // Nothing to propagate (no queries): every gradient is zero.
     auto zero4 = [](const TensorView<T, 4>& t) {
@@ -318,10 +437,19 @@ void run_attention_backward_kernel(const BackwardProblem<T>& bp, const Attention
       const index_t sq = t / groups, g = t % groups;
       double* parts =
           p.kind == AttnKind::v1 ? dlambda_parts.data() + sq * p.heads + g * p.group : nullptr;
-      backward_group(bp, sq, g, thread_backward_workspace<T>(), parts);
+      backward_group(bp, sq, g, thread_backward_workspace<T>(), parts,
+                     want_dsinks ? dsink_parts.data() + sq * qheads : nullptr, mod);
     };
     parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, attention_work(p)), run_task,
                    [] { thread_backward_workspace<T>().trim(); });
+  }
+  if (want_dsinks) {
+    for (index_t h = 0; h < qheads; ++h) {
+      double total = 0;
+      for (index_t sq = 0; sq < seqs; ++sq)
+        total += dsink_parts[static_cast<std::size_t>(sq * qheads + h)];
+      bp.dsinks(h) = static_cast<T>(total);
+    }
   }
   if (p.kind == AttnKind::v1) {
     if (bp.dlambda.shape(0) == 1) {
@@ -348,6 +476,16 @@ void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions
 #else
   run_attention_backward_kernel(bp, options);
 #endif
+}
+
+/// With a user functor: always here, header-only (see run_attention).
+template <class T, class Mod>
+void run_attention_backward(const BackwardProblem<T>& bp, const AttentionOptions& options,
+                            const Mod& mod) {
+  if constexpr (is_active_mod<Mod, T>)
+    run_attention_backward_kernel(bp, options, mod);
+  else
+    run_attention_backward(bp, options);
 }
 
 }  // namespace detail
@@ -393,8 +531,12 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
                           named("dout", bp.dout),
                           named("lambda", p.lambda_heads),
                           named("lambda_logit", p.lambda_logit)};
-  const Named outputs[] = {named("dq", bp.dq), named("dk", bp.dk), named("dv", bp.dv),
-                           named("dlambda", bp.dlambda), named("dlambda_logit", bp.dlambda_logit)};
+  const Named outputs[] = {named("dq", bp.dq),
+                           named("dk", bp.dk),
+                           named("dv", bp.dv),
+                           named("dlambda", bp.dlambda),
+                           named("dlambda_logit", bp.dlambda_logit),
+                           named("dsinks", bp.dsinks)};
   auto overlap = [](const Named& a, const Named& b) {
     return a.begin && b.begin && a.begin < b.end && b.begin < a.end;
   };
@@ -405,6 +547,18 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
       if (&o2 < &o && overlap(o, o2))
         fail(fn, "gradients ", o2.name, " and ", o.name, " overlap in memory");
   }
+}
+
+/// Attaches the optional gradient of the sinks, (Hq): only with options.sinks.
+template <class T>
+void attach_dsinks(const char* fn, BackwardProblem<T>& bp, const TensorView<T, 1>& dsinks) {
+  if (dsinks.empty()) return;  // (a (0) view as well: not wanted)
+  if (bp.fwd.sinks.empty())
+    fail(fn, "dsinks ", shape_str(dsinks.shape()),
+         " is the gradient of options.sinks, which is empty: pass an empty dsinks");
+  check_shape(fn, "dsinks", dsinks, {bp.fwd.q.shape(2)}, "(Hq)");
+  bp.dsinks = dsinks;
+  validate_backward(fn, bp);  // overlaps, dsinks included
 }
 
 /// Wraps the forward's checks so that their message names the backward entry point.

@@ -98,6 +98,12 @@ struct AttentionProblem {
   // their last extent ((B, M, H) or (num_blocks, block_size, H)); empty else.
   TensorView<const float, 3> k_scale, v_scale;
   ScaleCheck* scale_check = nullptr;  // set by the public functions of 8-bit caches
+  // Score modifiers (AttentionOptions): softcap (0: none), ALiBi slopes and
+  // sinks per query head ((Hq), empty: none); `modified` when any is set, the
+  // one flag the kernels test before taking their modifier path.
+  C softcap = C(0);
+  TensorView<const float, 1> alibi_slopes, sinks;
+  bool modified = false;
 
   bool has_lse() const { return lse.data() != nullptr || lse.size() != 0; }
   int maps() const { return kind == AttnKind::plain ? 1 : 2; }
@@ -205,6 +211,11 @@ void validate_common(const char* fn, AttentionProblem<T, KV>& p, const Attention
   p.band = band_of(options);
   p.scale = static_cast<compute_t<T>>(effective_scale(options, p.head_dim));
   p.split_keys = kSplitKeys;
+  validate_score_mods(fn, options, qs[2]);
+  p.softcap = static_cast<compute_t<T>>(options.softcap);
+  p.alibi_slopes = options.alibi_slopes;
+  p.sinks = options.sinks;
+  p.modified = has_score_mods(options);
 }
 
 /// out and lse must not overlap any input or each other.

@@ -33,6 +33,7 @@
 #include "../kernel/block_info.hpp"
 #include "../kernel/convert.hpp"
 #include "../kernel/gemm.hpp"
+#include "../kernel/score_mods.hpp"
 #include "../kernel/softmax.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -968,6 +969,11 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     }
     const index_t ii = r % n, cnt = re[ii] - rb[ii];
     C* w = s + r * lds + (rb[ii] - jlo);
+    if (p.modified) {  // softcap and ALiBi; the sink joins in decode_finish
+      const index_t l = r / n;
+      const RowMods<C> rm = row_mods(p, head_map(p, l / dl.maps).q[l % dl.maps]);
+      modify_scores(w, cnt, rm, ii + sq.m - sq.n, rb[ii]);
+    }
     const RowStats<C> st = exp_row(w, cnt, false);
     lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<C>::infinity();
     const C c = st.sum > C(0) ? C(1) / st.sum : C(0);
@@ -1020,6 +1026,53 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   if (!scales_ok) p.report_bad_scale();
 }
 
+/// decode_finish with attention sinks: each map's merged state (o, lse) is
+/// merged once more with its sink's state (no output, lse = sink), after the
+/// chunks', so a split step counts the sink exactly once.
+template <class T, class KV, class C>
+void decode_finish_sinks(const AttentionProblem<T, KV>& p, const SeqSpan& sq,
+                         const DecodeLanes& dl, const C* o, const C* lse, Workspace<C>& ws) {
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
+  const index_t n = dl.n, dv = p.value_dim;
+  C* tmp = ws.row.get(dv);
+  // The merged lse and the factor of the state's o.
+  auto with_sink = [](C l, C sink, C& f) {
+    f = C(1);
+    if (std::isnan(l)) return l;
+    if (l == -std::numeric_limits<C>::infinity()) {
+      f = C(0);
+      return sink;
+    }
+    const C m = std::max(l, sink);
+    const C nl = m + std::log(std::exp(l - m) + std::exp(sink - m));
+    f = std::exp(l - nl);
+    return nl;
+  };
+  for (index_t oh = 0; oh < p.heads; ++oh) {
+    const HeadMap hm = head_map(p, oh);
+    for (index_t ii = 0; ii < n; ++ii) {
+      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
+      C f1 = C(1), f2 = C(1);
+      const C l1 = with_sink(lse[r1], static_cast<C>(p.sinks(hm.q[0])), f1);
+      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = l1;
+      ArrayMap dst(tmp, dv);
+      dst = f1 * ConstArrayMap(o + r1 * dv, dv);
+      if (dl.maps == 2) {
+        const index_t r2 = r1 + n;
+        const C l2 = with_sink(lse[r2], static_cast<C>(p.sinks(hm.q[1])), f2);
+        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = l2;
+        dst -= (row_lambda(p, sq.b, i, oh) * f2) * ConstArrayMap(o + r2 * dv, dv);
+      }
+      T* out_row = &p.out(sq.b, i, oh, 0);
+      if constexpr (std::is_same<T, C>::value)
+        std::memcpy(out_row, tmp, static_cast<std::size_t>(dv) * sizeof(T));
+      else
+        convert_row(tmp, dv, out_row);
+    }
+  }
+}
+
 /// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
 /// (o for plain), and each map's lse. Rows stored narrower than C are formed
 /// in ws.row and rounded once as they are written.
@@ -1031,6 +1084,10 @@ void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const index_t n = dl.n, dv = p.value_dim;
   constexpr bool same = std::is_same<T, C>::value;
   C* tmp = same ? nullptr : ws.row.get(dv);
+  if (!p.sinks.empty()) {
+    decode_finish_sinks(p, sq, dl, o, lse, ws);
+    return;
+  }
   for (index_t oh = 0; oh < p.heads; ++oh) {
     const HeadMap hm = head_map(p, oh);
     for (index_t ii = 0; ii < n; ++ii) {

@@ -43,6 +43,7 @@
 #include "dispatch.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
+#include "score_mods.hpp"
 #include "softmax.hpp"
 #include "tile.hpp"
 
@@ -53,15 +54,24 @@ namespace detail {
 /// its output (process_block's steps 4 and 6); the analysis kernel
 /// (analysis_impl.hpp) measures the rows there instead, through the same two
 /// calls.
-template <class T, class KV, class C>
+template <class T, class KV, class C, class Mod = NoScoreMod>
 struct FusedRows {
+  /// The user's score functor (NoScoreMod: none; every use below is behind
+  /// `if constexpr`, so the default compiles to the kernel without one).
+  Mod mod{};
+  static constexpr bool kFunctor = is_active_mod<Mod, C>;
+  static constexpr bool kVisible = has_visible<Mod>::value;
+
   /// Step 4, query i of sequence sq: the scores of its n visible keys (from
   /// key kb) of map 1 at w and of map 2 at w2 (nullptr for one map) become
   /// its weights over w: softmax, or W = A1 - lambda A2; each map's lse.
   void weights(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh, const HeadMap& hm,
                index_t i, index_t kb, index_t n, C* w, C* w2) const {
     using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-    (void)kb;
+    if (kFunctor || p.modified) {
+      modified_weights(p, sq, oh, hm, i, kb, n, w, w2);
+      return;
+    }
     const RowStats<C> st1 = exp_row(w, n, false);
     const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
     if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
@@ -73,6 +83,33 @@ struct FusedRows {
       wa = wa * c1 - ArrayMap(w2, n) * c2;
     } else {
       ArrayMap(w, n) *= c1;
+    }
+  }
+  /// Step 4 under score modifiers (softcap, ALiBi, sinks, a user functor):
+  /// each map's scores modified in place, then its softmax with the sink in
+  /// the denominator.
+  void modified_weights(const AttentionProblem<T, KV>& p, const SeqSpan& sq, index_t oh,
+                        const HeadMap& hm, index_t i, index_t kb, index_t n, C* w, C* w2) const {
+    using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+    const index_t diag = (i - sq.q0) + sq.m - sq.n;  // i + M - N within the sequence
+    C coef[2] = {C(1), C(0)};
+    C* rows[2] = {w, w2};
+    for (int m = 0; m < (w2 ? 2 : 1); ++m) {
+      const RowMods<C> rm = row_mods(p, hm.q[m]);
+      modify_scores(rows[m], n, rm, diag, kb);
+      if constexpr (kFunctor) functor_scores(mod, rows[m], n, sq.b, hm.q[m], i - sq.q0, kb);
+      const RowStats<C> st = kVisible ? exp_row_masked(rows[m], n) : exp_row(rows[m], n, false);
+      SinkNorm<C> sn{st.sum > C(0) ? C(1) / st.sum : C(0), row_lse(st)};
+      if (rm.has_sink) sn = sink_norm(st, rm.sink);
+      if (p.has_lse()) p.lse(sq.b, hm.q[m], i) = sn.lse;
+      coef[m] = sn.scale;
+    }
+    if (w2) {
+      const C c2 = row_lambda(p, sq.b, i, oh) * coef[1];
+      ArrayMap wa(w, n);
+      wa = wa * coef[0] - ArrayMap(w2, n) * c2;
+    } else {
+      ArrayMap(w, n) *= coef[0];
     }
   }
   /// Step 6: output row i (dv values at o) to the caller's layout, rounded
@@ -87,6 +124,21 @@ struct FusedRows {
       convert_row(o, p.value_dim, dst);
   }
 };
+
+/// The rows of a block as process_block sees them: the band's, or (a user
+/// functor with `visible`) narrowed to the keys it makes visible.
+template <class RowsDo>
+BlockRows block_rows_of(const RowsDo&, const BlockRows& br, index_t, const HeadMap&, int) {
+  return br;
+}
+template <class T, class KV, class C, class Mod>
+auto block_rows_of(const FusedRows<T, KV, C, Mod>& rows_do, const BlockRows& br, index_t b,
+                   const HeadMap& hm, int maps) {
+  if constexpr (has_visible<Mod>::value)
+    return clamp_rows(rows_do.mod, br, b, hm.q, maps);
+  else
+    return br;
+}
 
 /// One task: sequence `seq`, output head oh, query block blk (decoding steps,
 /// fewer than kMR queries, go to decode_kernel.hpp instead). Keys and values
@@ -121,13 +173,14 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   const SeqSpan sq = p.seq(seq);
   const index_t d = p.head_dim, dv = p.value_dim;
   const index_t i0 = blk * BM;
-  const BlockRows br{p.band, sq.n, sq.m, i0, std::min(BM, sq.n - i0)};
+  const HeadMap hm = head_map(p, oh);
+  const auto br = block_rows_of(rows_do, BlockRows{p.band, sq.n, sq.m, i0, std::min(BM, sq.n - i0)},
+                                sq.b, hm, p.maps());
   const index_t rows = br.rows;
   const index_t rows_pad = round_up(rows, MR);
   const index_t tiles = rows_pad / MR;
   const int maps = p.maps();
   const bool shared_k = p.kind != AttnKind::v1;  // V2 and plain: one key head
-  const HeadMap hm = head_map(p, oh);
   constexpr bool dot = use_bf16_dot<T, KV>;
   constexpr bool wv16 = use_bf16_wv<T, KV> && std::is_same<C, float>::value;
   const index_t dk = dot ? bf16_pairs(d) : d;  // packed depth: words of bf16 pairs, or floats
@@ -353,9 +406,13 @@ inline std::uint64_t next_call_id() {
 /// a second pass merges each sequence's states in chunk order and
 /// writes the output. Which chunks exist follows from the problem alone, so
 /// the result is the same for any thread count.
-template <class T, class KV>
-void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptions& options) {
+template <class T, class KV, class Mod = NoScoreMod>
+void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptions& options,
+                          const Mod& mod = Mod()) {
   using C = compute_t<T>;
+  // A user functor runs in process_block only (the decoding step knows none).
+  constexpr bool functor = is_active_mod<Mod, C>;
+  const FusedRows<T, KV, C, Mod> rows_do{mod};
   using Cfg = TileConfig<C>;
   const index_t bm = Cfg::kBlockM;
   const index_t run = p.band.left >= 0 ? Cfg::kPackAhead : 1;  // blocks per task
@@ -372,7 +429,7 @@ void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptio
   for (index_t s = 0; s < S; ++s) {
     const SeqSpan sq = p.seq(s);
     index_t tasks = 0, states = 0;
-    if (sq.n > 0 && sq.n < Cfg::kMR) {
+    if (sq.n > 0 && sq.n < Cfg::kMR && !functor) {
       plan[at(s)] = decode_chunks(p, sq);
       chunks[at(s)] = plan[at(s)].count;
       tasks = chunks[at(s)];
@@ -415,7 +472,7 @@ void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptio
     const index_t nb = (sq.n + bm - 1) / bm, runs = (nb + run - 1) / run;
     const index_t oh = local / runs, r = runs - 1 - local % runs;
     for (index_t blk = std::min(nb, (r + 1) * run) - 1; blk >= r * run; --blk)
-      process_block(p, s, oh, blk, ws, call_id);
+      process_block(p, s, oh, blk, ws, call_id, rows_do);
   };
   parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, work), run_task,
                  [] { thread_workspace<C>().trim(); });
@@ -451,6 +508,17 @@ void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& opt
 #else
   run_attention_kernel(p, options);
 #endif
+}
+
+/// With a user functor: always here, header-only (a user's type cannot go
+/// through the compiled library); NoScoreMod takes run_attention's way.
+template <class T, class KV, class Mod>
+void run_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options,
+                   const Mod& mod) {
+  if constexpr (is_active_mod<Mod, compute_t<T>>)
+    run_attention_kernel(p, options, mod);
+  else
+    run_attention(p, options);
 }
 
 }  // namespace detail

@@ -58,6 +58,32 @@ inline T exp_shift_sum(T* x, index_t n, T m) {
   return sum;
 }
 
+/// exp_shift_sum for a row whose masked entries are -inf: they become exactly
+/// 0 (a vectorised exp(-inf) may return a denormal), in the same single
+/// vectorised pass.
+template <class T>
+inline T exp_shift_sum_masked(T* x, index_t n, T m) {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  constexpr index_t P = Eigen::internal::packet_traits<T>::size;
+  using namespace Eigen::internal;  // NOLINT: Eigen's packet vocabulary
+  const Packet pm = pset1<Packet>(m), ninf = pset1<Packet>(-std::numeric_limits<T>::infinity());
+  const Packet zero = pset1<Packet>(T(0));
+  Packet acc = zero;
+  index_t j = 0;
+  for (; j + P <= n; j += P) {
+    const Packet v = ploadu<Packet>(x + j);
+    const Packet e = pselect(pcmp_eq(v, ninf), zero, pexp(psub(v, pm)));
+    pstoreu(x + j, e);
+    acc = padd(acc, e);
+  }
+  T sum = predux(acc);
+  for (; j < n; ++j) {
+    x[j] = x[j] == -std::numeric_limits<T>::infinity() ? T(0) : std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
 /// In-place exp(x - max) of one row; see the header comment for special rows.
 /// When the row may hold -inf entries (an explicit mask), pass has_masked = true
 /// so that they become exactly 0 (a vectorised exp(-inf) may return a denormal).
@@ -93,11 +119,44 @@ inline RowStats<T> exp_row(T* x, index_t n, bool has_masked) {
   return {m, a.sum()};
 }
 
+/// exp_row for rows with -inf entries (masked pairs), vectorised: the same
+/// special rows as exp_row (NaN, all masked, +inf).
+template <class T>
+inline RowStats<T> exp_row_masked(T* x, index_t n) {
+  const T m = row_max(x, n);
+  if (std::isfinite(m)) return {m, exp_shift_sum_masked(x, n, m)};
+  return exp_row(x, n, true);
+}
+
 /// log-sum-exp from RowStats: -inf for a fully masked row.
 template <class T>
 inline T row_lse(const RowStats<T>& s) {
   if (s.sum == T(0)) return -std::numeric_limits<T>::infinity();
   return s.max + std::log(s.sum);
+}
+
+/// A row's normaliser and lse with one more logit, `sink`, in its denominator
+/// and not in its output (attention sinks): weights = exp(x - max) * scale.
+template <class T>
+struct SinkNorm {
+  T scale;
+  T lse;
+};
+
+/// From the RowStats of exp_row: a row that sees no key gets scale 0 and
+/// lse = sink; a NaN row stays NaN. Computed in the frame of the larger of
+/// max and sink, so neither exp overflows.
+template <class T>
+inline SinkNorm<T> sink_norm(const RowStats<T>& st, T sink) {
+  if (std::isnan(st.max) || std::isnan(st.sum))
+    return {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::quiet_NaN()};
+  if (st.sum == T(0)) return {T(0), sink};
+  if (st.max >= sink) {
+    const T den = st.sum + std::exp(sink - st.max);
+    return {T(1) / den, st.max + std::log(den)};
+  }
+  const T e = std::exp(st.max - sink), den = st.sum * e + T(1);
+  return {e / den, sink + std::log(den)};
 }
 
 }  // namespace detail

@@ -220,6 +220,37 @@ inline AttentionOptions module_options(bool causal, index_t left, index_t right,
   return o;
 }
 
+/// A layer's score modifiers (config fields softcap, alibi, sinks): the
+/// options they give and, for learned sinks (2H) stored as T, their float copy.
+struct ModuleMods {
+  float softcap = 0;
+  std::vector<float> alibi;  // (2H) slopes, or empty
+  mutable std::vector<float> sinks;  // float copy of the layer's sinks, or empty
+
+  ModuleMods() = default;
+  ModuleMods(float cap, bool alibi_on, index_t query_heads)
+      : softcap(cap), alibi(alibi_on ? standard_alibi_slopes(query_heads) : std::vector<float>()) {}
+  bool any(bool sinks_on) const { return softcap > 0 || !alibi.empty() || sinks_on; }
+  /// o with the modifiers; `learned` (n values of T) the sinks, or null.
+  template <class T>
+  void apply(AttentionOptions& o, const T* learned, index_t n) const {
+    o.softcap = softcap;
+    if (!alibi.empty())
+      o.alibi_slopes = TensorView<const float, 1>(alibi.data(), {static_cast<index_t>(alibi.size())});
+    if (learned) {
+      sinks.resize(static_cast<std::size_t>(n));
+      for (index_t h = 0; h < n; ++h) sinks[static_cast<std::size_t>(h)] = static_cast<float>(learned[h]);
+      o.sinks = TensorView<const float, 1>(sinks.data(), {n});
+    }
+  }
+};
+
+/// Checks a layer's softcap.
+inline void module_check_softcap(const char* fn, float softcap) {
+  if (!std::isfinite(softcap) || softcap < 0)
+    fail(fn, "softcap must be finite and >= 0 (0: none), got ", softcap);
+}
+
 /// dst[i] += src[i], i < n.
 template <class T>
 void module_add(T* dst, const T* src, index_t n) {

@@ -279,6 +279,7 @@ void ring_forward_call(MPI_Comm comm, const char* fn, const AttentionOptions& op
   RingComm rc(comm, fn);
   const auto c = checked_collective(rc, [&] {
     CheckedRing<T> r;
+    refuse_score_mods(fn, options);  // not in the ring yet (issue 37)
     r.p = validate();
     r.header = ring_header(fn, r.p, options, sharding);
     return r;
@@ -298,6 +299,7 @@ std::vector<double> ring_backward_call(MPI_Comm comm, const char* fn,
   RingComm rc(comm, fn);
   const auto c = checked_collective(rc, [&] {
     CheckedRing<T> r;
+    refuse_score_mods(fn, options);  // not in the ring yet (issue 37)
     r.bp = validate();
     r.p = r.bp.fwd;
     r.header = ring_header(fn, r.p, options, sharding);
