@@ -8,7 +8,7 @@ for diffattn.torch and for the papers' eager math on the same tensors (or the
 same state_dict): two materialised N x N maps per DIFF head, torch autograd.
 
     PYTHONPATH=build/python python3 examples/python/bench_torch.py [--threads 2] [--n 4096]
-        [--long 16384] [--reps 3]
+        [--long 16384] [--reps 3] [--keep-memory]
 
 prints the median time of --reps runs (after one warm-up) and each process's
 peak resident memory. At --long only diffattn runs: the eager math's peak grows
@@ -83,6 +83,10 @@ def main():
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--long", type=int, default=16384)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--keep-memory", action="store_true",
+                   help="let glibc keep freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) "
+                        "so that the eager math's big tensors reuse pages instead of faulting "
+                        "fresh ones in")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -92,6 +96,8 @@ def main():
 
     def child(case, impl, n, reps):
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        if a.keep_memory:
+            env.update(MALLOC_MMAP_THRESHOLD_=str(2**34), MALLOC_TRIM_THRESHOLD_=str(2**36))
         r = subprocess.run([sys.executable, __file__, "--case", case, "--impl", impl, "--n", str(n),
                             "--threads", str(a.threads), "--reps", str(reps)],
                            capture_output=True, text=True, env=env)
@@ -102,7 +108,8 @@ def main():
     import diffattn
     import torch
     print(f"diffattn {diffattn.__version__} ({diffattn.isa()}), torch {torch.__version__}, "
-          f"{a.threads} threads, forward + backward, medians of {a.reps}")
+          f"{a.threads} threads, forward + backward, medians of {a.reps}"
+          + (", glibc keeping freed memory" if a.keep_memory else ""))
     rows = []
     for case in ("v2_kernel", "v1_layer"):
         d = child(case, "diffattn", a.n, a.reps)

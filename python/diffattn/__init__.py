@@ -72,6 +72,8 @@ __all__ = [
     "isa_variants", "lambda_init", "merge_states", "quantize_rows",
 ]
 
+Error.__module__ = "diffattn"
+
 _V1 = {_np.dtype(_np.float32): MultiheadDiffAttnV1_float32,
        _np.dtype(_np.float64): MultiheadDiffAttnV1_float64}
 _V2 = {_np.dtype(_np.float32): MultiheadDiffAttnV2_float32,
