@@ -1,0 +1,170 @@
+"""diffattn.torch against eager PyTorch math: forward + backward, CPU.
+
+Cases (each in its own process, so that its peak memory is its own):
+  v2_kernel   the V2 kernel: 16 query heads on 8 kv heads of 64, causal, B = 1
+  v1_layer    a V1 layer, E = 1024, 8 DIFF heads (d = 64), causal, B = 1: the
+              projections are torch's in both; only the attention differs
+for diffattn.torch and for the papers' eager math on the same tensors (or the
+same state_dict): two materialised N x N maps per DIFF head, torch autograd.
+
+    PYTHONPATH=build/python python3 examples/python/bench_torch.py [--threads 2] [--n 4096]
+        [--long 16384] [--reps 3] [--keep-memory]
+
+prints the median time of --reps runs (after one warm-up) and each process's
+peak resident memory, then runs both implementations alternated step by step in
+one process (the fairer comparison on a machine shared with other work). At --long only diffattn runs: the eager math's peak grows
+as N^2 and is extrapolated from its peak at --n.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python", "tests"))
+
+
+def make_step(case, impl, n, threads):
+    """One forward + backward of `case` by `impl` ("diffattn" or "eager")."""
+    import torch
+    import diffattn.torch as dt
+    import eager_modules as eager
+
+    torch.manual_seed(0)
+    if case == "v2_kernel":
+        q = torch.randn(1, n, 16, 64, requires_grad=True)
+        k = torch.randn(1, n, 8, 64, requires_grad=True)
+        v = torch.randn(1, n, 8, 64, requires_grad=True)
+        logit = torch.randn(1, n, 8, requires_grad=True)
+        g = torch.randn(1, n, 8, 64)
+
+        def step():
+            for t in (q, k, v, logit):
+                t.grad = None
+            if impl == "diffattn":
+                out = dt.diff_attention_v2(q, k, v, logit, causal=True, num_threads=threads)
+            else:
+                out = eager.eager_v2(q, k, v, logit, causal=True)
+            out.backward(g)
+        return step
+    e = 1024
+    ref = eager.EagerDiffAttnV1(e, 3, 8)
+    if impl == "diffattn":
+        layer = dt.MultiheadDiffAttnV1(e, 3, 8, num_threads=threads)
+        layer.load_state_dict(ref.state_dict())
+    else:
+        layer = ref
+    x = torch.randn(1, n, e, requires_grad=True)
+    g = torch.randn(1, n, e)
+
+    def step():
+        layer.zero_grad()
+        x.grad = None
+        layer(x).backward(g)
+    return step
+
+
+def run_case(case, impl, n, threads, reps):
+    """impl "diffattn" or "eager"; or "both": the two alternated step by step, so
+    that the load of a shared machine weighs on both alike."""
+    import torch
+    torch.set_num_threads(threads)
+    impls = ["diffattn", "eager"] if impl == "both" else [impl]
+    steps = {i: make_step(case, i, n, threads) for i in impls}
+    times = {i: [] for i in impls}
+    cpu = {i: [] for i in impls}
+    for i in impls:
+        steps[i]()  # warm-up
+    for _ in range(reps):
+        for i in impls:
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps[i]()
+            times[i].append(time.perf_counter() - t0)
+            cpu[i].append(time.process_time() - c0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss in KiB)
+    out = {"case": case, "impl": impl, "n": n, "threads": threads, "peak_gib": peak}
+    for i in impls:
+        t = sorted(times[i])
+        c = sorted(cpu[i])
+        out[i] = {"median_s": t[len(t) // 2], "min_s": t[0], "all_s": times[i],
+                  "cpu_median_s": c[len(c) // 2]}
+    if impl != "both":
+        out.update(out.pop(impl))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--long", type=int, default=16384, help="0: skip")
+    p.add_argument("--only-interleaved", action="store_true")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--keep-memory", action="store_true",
+                   help="let glibc keep freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) "
+                        "so that the eager math's big tensors reuse pages instead of faulting "
+                        "fresh ones in")
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--impl", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.case:
+        print(json.dumps(run_case(a.case, a.impl, a.n, a.threads, a.reps)))
+        return 0
+
+    def child(case, impl, n, reps):
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        if a.keep_memory:
+            env.update(MALLOC_MMAP_THRESHOLD_=str(2**34), MALLOC_TRIM_THRESHOLD_=str(2**36))
+        r = subprocess.run([sys.executable, __file__, "--case", case, "--impl", impl, "--n", str(n),
+                            "--threads", str(a.threads), "--reps", str(reps)],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            return {"case": case, "impl": impl, "n": n, "error": r.stderr.strip().splitlines()[-1]}
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    import diffattn
+    import torch
+    print(f"diffattn {diffattn.__version__} ({diffattn.isa()}), torch {torch.__version__}, "
+          f"{a.threads} threads, forward + backward, medians of {a.reps}"
+          + (", glibc keeping freed memory" if a.keep_memory else ""))
+    rows = []
+    for case in (() if a.only_interleaved else ("v2_kernel", "v1_layer")):
+        d = child(case, "diffattn", a.n, a.reps)
+        e = child(case, "eager", a.n, a.reps)
+        rows += [d, e]
+        speed = e["median_s"] / d["median_s"] if "median_s" in e and "median_s" in d else None
+        print(f"{case:10s} N={a.n}: diffattn {d.get('median_s', 0) * 1e3:8.1f} ms "
+              f"(peak {d.get('peak_gib', 0):.2f} GiB), eager {e.get('median_s', 0) * 1e3:8.1f} ms "
+              f"(peak {e.get('peak_gib', 0):.2f} GiB)" +
+              (f", diffattn {speed:.1f}x faster" if speed else f", eager: {e.get('error')}"))
+        if a.long:
+            dl = child(case, "diffattn", a.long, 1)
+            need = e.get("peak_gib", 0) * (a.long / a.n) ** 2
+            rows.append(dl)
+            print(f"{case:10s} N={a.long}: diffattn {dl.get('median_s', 0) * 1e3:8.1f} ms "
+                  f"(peak {dl.get('peak_gib', 0):.2f} GiB); eager would need about "
+                  f"{need:.0f} GiB ({e.get('peak_gib', 0):.2f} GiB x ({a.long}/{a.n})^2), "
+                  f"this machine has {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB")
+    for case in ("v2_kernel", "v1_layer"):
+        b = child(case, "both", a.n, a.reps)
+        rows.append(b)
+        if "error" in b:
+            print(f"{case:10s} N={a.n} interleaved: {b['error']}")
+            continue
+        d, e = b["diffattn"], b["eager"]
+        print(f"{case:10s} N={a.n} interleaved step by step: diffattn {d['median_s'] * 1e3:8.1f} ms, "
+              f"eager {e['median_s'] * 1e3:8.1f} ms, diffattn {e['median_s'] / d['median_s']:.1f}x "
+              f"faster (medians; per pair: "
+              + ", ".join(f"{y / x:.1f}" for x, y in zip(d["all_s"], e["all_s"])) + "); CPU time "
+              f"(both threads) {d['cpu_median_s']:.2f} s against {e['cpu_median_s']:.2f} s, "
+              f"{e['cpu_median_s'] / d['cpu_median_s']:.1f}x")
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

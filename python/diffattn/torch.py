@@ -1,0 +1,406 @@
+"""PyTorch autograd over diffattn's fused kernels, and drop-in DIFF attention modules.
+
+    import diffattn.torch as dt
+    out = dt.diff_attention_v2(q, k, v, lambda_logit, causal=True)   # differentiable
+    layer = dt.MultiheadDiffAttnV2(embed_dim, depth, num_heads, num_kv_heads)
+
+Tensors are CPU tensors of float32 or float64, or bfloat16 / float16 for the
+forward pass; they reach the kernels without a copy when their last axis is
+contiguous (any other strides pass as they are). The backward kernels compute
+in float32 or float64: the gradients of 16-bit tensors are computed on float32
+copies of the saved tensors and rounded back to the tensors' dtype.
+
+The modules keep the reference implementations' parameters (nn.Linear weights
+and the state_dict names q_proj.weight, ..., lambda_q1, subln.weight), compute
+the projections, rotary embedding, lambda and norm with torch operations and
+the attention with the fused kernel, so any torch optimizer trains them and a
+state_dict moves between them, the reference modules and the C++ layers
+(diffattn.MultiheadDiffAttnV1 / V2, load_safetensors).
+"""
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _diffattn as _C
+
+__all__ = [
+    "diff_attention_v1", "diff_attention_v2", "attention", "DiffAttnV1Function",
+    "DiffAttnV2Function", "AttentionFunction", "MultiheadDiffAttnV1", "MultiheadDiffAttnV2",
+    "RMSNorm", "KVCache", "apply_rope", "lambda_init",
+]
+
+_HALF = (torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _np(t, name="tensor"):
+    """The tensor as a numpy array over the same memory (a copy only when its
+    last axis is not contiguous); bfloat16 as its uint16 bits."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"diffattn.torch: {name} is on {t.device}; the kernels run on the CPU")
+    if t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"diffattn.torch: {name} has dtype {t.dtype}; the kernels take "
+                         "float32, float64, bfloat16 or float16")
+    return t.numpy()
+
+
+def _torch(a):
+    """The numpy array as a tensor over the same memory (uint16 bits: bfloat16)."""
+    if a.dtype == np.uint16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _grad_dtype(t):
+    return torch.float32 if t.dtype in _HALF else t.dtype
+
+
+def _opts(causal, window_left, window_right, scale, num_threads):
+    return dict(causal=bool(causal), window_left=int(window_left), window_right=int(window_right),
+                scale=float(scale), num_threads=int(num_threads))
+
+
+def lambda_init(depth):
+    """lambda_init(depth) = 0.8 - 0.6 exp(-0.3 depth), depth the 0-based layer index."""
+    return _C.lambda_init(depth)
+
+
+class DiffAttnV1Function(torch.autograd.Function):
+    """diff_attention_v1 with its backward. lambda_ is a 0-d tensor (one lambda)
+    or (H) (one per DIFF head)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_, causal=False, window_left=-1, window_right=-1, scale=0.0,
+                num_threads=0):
+        o = _opts(causal, window_left, window_right, scale, num_threads)
+        lam = float(lambda_) if lambda_.dim() == 0 else _np(
+            lambda_.to(torch.float32 if q.dtype in _HALF else q.dtype), "lambda_")
+        out, lse = _C.diff_attention_v1(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, lambda_, out, lse)
+        ctx.opts = o
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lambda_, out, lse = ctx.saved_tensors
+        g = _grad_dtype(q)
+        lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
+        dq, dk, dv, dl = _C.diff_attention_v1_backward(
+            _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), lam, _np(out.to(g)), _np(lse),
+            _np(dout.to(g)), **ctx.opts)
+        dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
+            _torch(dl).to(lambda_.dtype)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
+                None, None, None, None, None)
+
+
+class DiffAttnV2Function(torch.autograd.Function):
+    """diff_attention_v2 with its backward (lambda_logit gets its gradient through
+    the sigmoid)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_logit, causal=False, window_left=-1, window_right=-1,
+                scale=0.0, num_threads=0):
+        o = _opts(causal, window_left, window_right, scale, num_threads)
+        out, lse = _C.diff_attention_v2(_np(q, "q"), _np(k, "k"), _np(v, "v"),
+                                        _np(lambda_logit, "lambda_logit"), **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, lambda_logit, out, lse)
+        ctx.opts = o
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, logit, out, lse = ctx.saved_tensors
+        g = _grad_dtype(q)
+        dq, dk, dv, dlog = _C.diff_attention_v2_backward(
+            _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), _np(logit.to(g)), _np(out.to(g)), _np(lse),
+            _np(dout.to(g)), **ctx.opts)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
+                _torch(dlog).to(logit.dtype), None, None, None, None, None)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Plain softmax attention (GQA) with its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0,
+                num_threads=0):
+        o = _opts(causal, window_left, window_right, scale, num_threads)
+        out, lse = _C.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = o
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        g = _grad_dtype(q)
+        dq, dk, dv = _C.attention_backward(_np(q.to(g)), _np(k.to(g)), _np(v.to(g)),
+                                           _np(out.to(g)), _np(lse), _np(dout.to(g)), **ctx.opts)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
+                None, None, None, None, None)
+
+
+def diff_attention_v1(q, k, v, lambda_, *, causal=False, window_left=-1, window_right=-1,
+                      scale=0.0, num_threads=0):
+    """Differentiable diff_attention_v1: q (B, N, 2H, d), k (B, M, 2Hkv, d),
+    v (B, M, Hkv, 2d), lambda_ a number, 0-d tensor or (H) -> out (B, N, H, 2d)."""
+    if not torch.is_tensor(lambda_):
+        lambda_ = torch.tensor(float(lambda_), dtype=_grad_dtype(q))
+    return DiffAttnV1Function.apply(q, k, v, lambda_, causal, window_left, window_right, scale,
+                                    num_threads)
+
+
+def diff_attention_v2(q, k, v, lambda_logit, *, causal=False, window_left=-1, window_right=-1,
+                      scale=0.0, num_threads=0):
+    """Differentiable diff_attention_v2: q (B, N, 2H, d), k, v (B, M, Hkv, d),
+    lambda_logit (B, N, H) -> out (B, N, H, d)."""
+    return DiffAttnV2Function.apply(q, k, v, lambda_logit, causal, window_left, window_right,
+                                    scale, num_threads)
+
+
+def attention(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0.0,
+              num_threads=0):
+    """Differentiable plain attention: q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv)."""
+    return AttentionFunction.apply(q, k, v, causal, window_left, window_right, scale, num_threads)
+
+
+def apply_rope(x, position_offset=0, base=10000.0):
+    """Rotary embedding on interleaved pairs (2i, 2i+1), as the reference's
+    apply_rotary_emb(..., interleaved=True) and diffattn::apply_rope: x (B, N, H, D),
+    token n at position position_offset + n, angles computed in float64."""
+    n, d = x.shape[1], x.shape[-1]
+    inv_freq = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
+    pos = torch.arange(position_offset, position_offset + n, dtype=torch.float64)
+    angle = pos[:, None] * inv_freq[None, :]  # (N, D/2)
+    cos = angle.cos().to(x.dtype)[None, :, None, :]
+    sin = angle.sin().to(x.dtype)[None, :, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (the reference's subln): x / sqrt(mean(x^2) + eps) * weight."""
+
+    def __init__(self, dim, eps=1e-5, elementwise_affine=True, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x):
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out * self.weight if self.weight is not None else out
+
+
+class KVCache:
+    """Keys (after rotary) and values of the tokens a module has seen: (B,
+    capacity, heads, width) tensors and the number of tokens held."""
+
+    def __init__(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype):
+        self.k = torch.zeros(batch, capacity, k_heads, k_dim, dtype=dtype)
+        self.v = torch.zeros(batch, capacity, v_heads, v_dim, dtype=dtype)
+        self._size = 0
+
+    def size(self):
+        return self._size
+
+    def capacity(self):
+        return self.k.shape[1]
+
+    def batch(self):
+        return self.k.shape[0]
+
+    def clear(self):
+        self._size = 0
+
+    def _append(self, fn, k, v):
+        n = k.shape[1]
+        if k.shape[0] != self.batch():
+            raise ValueError(f"{fn}: x has batch {k.shape[0]}, the cache {self.batch()}")
+        if self._size + n > self.capacity():
+            raise ValueError(f"{fn}: cannot append {n} tokens to a cache holding {self._size} "
+                             f"of capacity {self.capacity()}")
+        self.k[:, self._size:self._size + n] = k
+        self.v[:, self._size:self._size + n] = v
+        self._size += n
+        return np.full(self.batch(), self._size, dtype=np.int64)
+
+
+class _Module(nn.Module):
+    def _check_cache_use(self, cache):
+        if not self.causal:
+            raise ValueError(f"{type(self).__name__}.forward: a KV cache needs a causal module")
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            pass  # the cached forward is for inference: no graph is recorded through the cache
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"causal={self.causal}")
+
+
+class MultiheadDiffAttnV1(_Module):
+    """The Differential Transformer's attention (V1, split heads; Ye et al., ICLR 2025).
+
+    MultiheadDiffAttnV1(embed_dim, depth, num_heads, num_kv_heads=None): num_heads
+    DIFF heads, each two query/key halves of head_dim = embed_dim / (2 num_heads)
+    and values twice as wide; GQA with num_kv_heads kv pairs. Parameters as the
+    reference (q_proj, k_proj, v_proj, out_proj nn.Linear without bias; lambda_q1,
+    lambda_k1, lambda_q2, lambda_k2 (head_dim) from N(0, 0.1); subln.weight (2
+    head_dim)). forward(x) takes x (B, N, E) and returns (B, N, E); with a cache
+    (make_cache) it runs n new tokens after those cached, without autograd.
+    """
+
+    def __init__(self, embed_dim, depth, num_heads, num_kv_heads=None, *, causal=True, rope=True,
+                 norm_affine=True, rope_base=10000.0, window_left=-1, window_right=-1,
+                 head_dim=None, norm_eps=1e-5, num_threads=0, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiheadDiffAttnV1: num_heads {num_heads} is not a multiple of "
+                             f"num_kv_heads {num_kv_heads}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = head_dim or embed_dim // num_heads // 2
+        self.depth, self.causal, self.rope, self.rope_base = depth, causal, rope, rope_base
+        self.window_left, self.window_right, self.num_threads = window_left, window_right, num_threads
+        self.lambda_init = lambda_init(depth)
+        d, kw = self.head_dim, dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False, **kw)
+        self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False, **kw)
+        self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False, **kw)
+        self.out_proj = nn.Linear(2 * num_heads * d, embed_dim, bias=False, **kw)
+        self.lambda_q1 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
+        self.lambda_k1 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
+        self.lambda_q2 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
+        self.lambda_k2 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
+        self.subln = RMSNorm(2 * d, eps=norm_eps, elementwise_affine=norm_affine, **kw)
+
+    def lambda_full(self):
+        """exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init (a 0-d tensor)."""
+        l1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1))
+        l2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2))
+        return l1 - l2 + self.lambda_init
+
+    def _qkv(self, x, offset):
+        b, n, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, n, 2 * self.num_heads, d)
+        k = self.k_proj(x).view(b, n, 2 * self.num_kv_heads, d)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, 2 * d)
+        if self.rope:
+            q, k = apply_rope(q, offset, self.rope_base), apply_rope(k, offset, self.rope_base)
+        return q, k, v
+
+    def _out(self, attn):
+        b, n = attn.shape[:2]
+        attn = self.subln(attn) * (1 - self.lambda_init)
+        return self.out_proj(attn.reshape(b, n, 2 * self.num_heads * self.head_dim))
+
+    def forward(self, x, cache=None, position_offset=0):
+        if cache is not None:
+            return self._forward_cached(x, cache)
+        q, k, v = self._qkv(x, position_offset)
+        attn = DiffAttnV1Function.apply(q, k, v, self.lambda_full(), self.causal,
+                                        self.window_left, self.window_right, 0.0, self.num_threads)
+        return self._out(attn)
+
+    def make_cache(self, batch, capacity, dtype=None):
+        """A KV cache for batch sequences of up to capacity tokens (dtype: the
+        parameters', or e.g. torch.bfloat16 for half the bytes)."""
+        d = self.head_dim
+        return KVCache(batch, capacity, 2 * self.num_kv_heads, d, self.num_kv_heads, 2 * d,
+                       dtype or self.q_proj.weight.dtype)
+
+    @torch.no_grad()
+    def _forward_cached(self, x, cache):
+        self._check_cache_use(cache)
+        q, k, v = self._qkv(x, cache.size())
+        lens = cache._append("MultiheadDiffAttnV1.forward", k, v)
+        lam = float(self.lambda_full())
+        out, _ = _C.diff_attention_v1_kvcache(
+            _np(q), _np(cache.k), _np(cache.v), lam, lens, causal=True,
+            window_left=self.window_left, num_threads=self.num_threads)
+        return self._out(_torch(out))
+
+
+class MultiheadDiffAttnV2(_Module):
+    """DIFF V2 attention (doubled query heads): query heads 2h and 2h+1 of one GQA
+    group form DIFF head h, out_h = attn(q_2h) - sigmoid(x lambda_proj_h^T) attn(q_2h+1).
+
+    MultiheadDiffAttnV2(embed_dim, depth, num_heads, num_kv_heads=None): num_heads
+    DIFF heads (2 num_heads query heads) of head_dim = embed_dim / num_heads,
+    num_kv_heads kv heads; q_proj, k_proj, v_proj, o_proj, lambda_proj nn.Linear
+    without bias. depth is the reference signature's, unused (no lambda_init).
+    """
+
+    def __init__(self, embed_dim, depth, num_heads, num_kv_heads=None, *, head_dim=None,
+                 causal=True, rope=True, rope_base=10000.0, window_left=-1, window_right=-1,
+                 num_threads=0, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiheadDiffAttnV2: num_heads {num_heads} is not a multiple of "
+                             f"num_kv_heads {num_kv_heads}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.depth, self.causal, self.rope, self.rope_base = depth, causal, rope, rope_base
+        self.window_left, self.window_right, self.num_threads = window_left, window_right, num_threads
+        hd, kw = self.head_dim, dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * hd, bias=False, **kw)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * hd, bias=False, **kw)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * hd, bias=False, **kw)
+        self.o_proj = nn.Linear(num_heads * hd, embed_dim, bias=False, **kw)
+        self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False, **kw)
+
+    def _qkv(self, x, offset):
+        b, n, _ = x.shape
+        hd = self.head_dim
+        q = self.q_proj(x).view(b, n, 2 * self.num_heads, hd)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, hd)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, hd)
+        if self.rope:
+            q, k = apply_rope(q, offset, self.rope_base), apply_rope(k, offset, self.rope_base)
+        return q, k, v, self.lambda_proj(x)
+
+    def _out(self, attn):
+        b, n = attn.shape[:2]
+        return self.o_proj(attn.reshape(b, n, self.num_heads * self.head_dim))
+
+    def forward(self, x, cache=None, position_offset=0):
+        if cache is not None:
+            return self._forward_cached(x, cache)
+        q, k, v, logit = self._qkv(x, position_offset)
+        attn = DiffAttnV2Function.apply(q, k, v, logit, self.causal, self.window_left,
+                                        self.window_right, 0.0, self.num_threads)
+        return self._out(attn)
+
+    def make_cache(self, batch, capacity, dtype=None):
+        """A KV cache for batch sequences of up to capacity tokens: the baseline's,
+        num_kv_heads heads of head_dim for keys and values."""
+        hd = self.head_dim
+        return KVCache(batch, capacity, self.num_kv_heads, hd, self.num_kv_heads, hd,
+                       dtype or self.q_proj.weight.dtype)
+
+    @torch.no_grad()
+    def _forward_cached(self, x, cache):
+        self._check_cache_use(cache)
+        q, k, v, logit = self._qkv(x, cache.size())
+        lens = cache._append("MultiheadDiffAttnV2.forward", k, v)
+        out, _ = _C.diff_attention_v2_kvcache(
+            _np(q), _np(cache.k), _np(cache.v), _np(logit), lens, causal=True,
+            window_left=self.window_left, num_threads=self.num_threads)
+        return self._out(_torch(out))

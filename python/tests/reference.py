@@ -1,0 +1,125 @@
+"""The plain float64 numpy oracle of the tests: materialised softmax maps, the
+causal mask aligned bottom-right, windows, GQA as DESIGN.md describes it."""
+
+import numpy as np
+
+
+def visible(n, m, causal=False, window_left=-1, window_right=-1):
+    """(N, M) mask: query i sees key j iff c - wl <= j <= c + wr, c = i + M - N."""
+    if causal:
+        window_right = 0
+    i = np.arange(n)[:, None]
+    j = np.arange(m)[None, :]
+    c = i + (m - n)
+    vis = np.ones((n, m), dtype=bool)
+    if window_left >= 0:
+        vis &= j >= c - window_left
+    if window_right >= 0:
+        vis &= j <= c + window_right
+    return vis
+
+
+def softmax_map(q, k, scale, vis):
+    """A (N, M) and lse (N) of softmax(scale q k^T) over the visible keys;
+    rows that see no key: zeros and -inf."""
+    s = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
+    s = np.where(vis, s, -np.inf)
+    mx = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf)
+    mx = np.where(np.isfinite(mx), mx, 0.0)
+    e = np.where(vis, np.exp(s - mx), 0.0)
+    tot = e.sum(axis=1, keepdims=True)
+    a = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(tot[:, 0] > 0, np.log(np.where(tot[:, 0] > 0, tot[:, 0], 1.0)) + mx[:, 0],
+                       -np.inf)
+    return a, lse
+
+
+def _scale(scale, d):
+    return scale if scale > 0 else 1.0 / np.sqrt(d)
+
+
+def v1(q, k, v, lam, causal=False, window_left=-1, window_right=-1, scale=0.0):
+    """q (B, N, 2H, d), k (B, M, 2Hkv, d), v (B, M, Hkv, 2d) -> out (B, N, H, 2d), lse (B, 2H, N)."""
+    b_, n, h2, d = q.shape
+    m, hkv = k.shape[1], v.shape[2]
+    h = h2 // 2
+    rep = h // hkv
+    s = _scale(scale, d)
+    vis = visible(n, m, causal, window_left, window_right)
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), (h,))
+    out = np.zeros((b_, n, h, v.shape[3]))
+    lse = np.zeros((b_, 2 * h, n))
+    for b in range(b_):
+        for hh in range(h):
+            g = hh // rep
+            a1, l1 = softmax_map(q[b, :, 2 * hh], k[b, :, 2 * g], s, vis)
+            a2, l2 = softmax_map(q[b, :, 2 * hh + 1], k[b, :, 2 * g + 1], s, vis)
+            out[b, :, hh] = (a1 - lam[hh] * a2) @ v[b, :, g].astype(np.float64)
+            lse[b, 2 * hh], lse[b, 2 * hh + 1] = l1, l2
+    return out, lse
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def v2(q, k, v, logit, causal=False, window_left=-1, window_right=-1, scale=0.0):
+    """q (B, N, 2H, d), k, v (B, M, Hkv, d), logit (B, N, H) -> out (B, N, H, d), lse (B, 2H, N)."""
+    b_, n, h2, d = q.shape
+    m, hkv = k.shape[1], k.shape[2]
+    h = h2 // 2
+    group = h2 // hkv
+    s = _scale(scale, d)
+    vis = visible(n, m, causal, window_left, window_right)
+    out = np.zeros((b_, n, h, v.shape[3]))
+    lse = np.zeros((b_, h2, n))
+    for b in range(b_):
+        for hh in range(h):
+            g = 2 * hh // group
+            a1, l1 = softmax_map(q[b, :, 2 * hh], k[b, :, g], s, vis)
+            a2, l2 = softmax_map(q[b, :, 2 * hh + 1], k[b, :, g], s, vis)
+            lam = sigmoid(logit[b, :, hh].astype(np.float64))[:, None]
+            out[b, :, hh] = (a1 - lam * a2) @ v[b, :, g].astype(np.float64)
+            lse[b, 2 * hh], lse[b, 2 * hh + 1] = l1, l2
+    return out, lse
+
+
+def plain(q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0):
+    """q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv) -> out (B, N, Hq, dv), lse (B, Hq, N)."""
+    b_, n, hq, d = q.shape
+    m, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    s = _scale(scale, d)
+    vis = visible(n, m, causal, window_left, window_right)
+    out = np.zeros((b_, n, hq, v.shape[3]))
+    lse = np.zeros((b_, hq, n))
+    for b in range(b_):
+        for j in range(hq):
+            a, l_ = softmax_map(q[b, :, j], k[b, :, j // group], s, vis)
+            out[b, :, j] = a @ v[b, :, j // group].astype(np.float64)
+            lse[b, j] = l_
+    return out, lse
+
+
+# ---- storage formats ----------------------------------------------------------
+
+def to_bf16_bits(x):
+    """float32 -> bfloat16 bits (uint16), round to nearest even."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return r.astype(np.uint16)
+
+
+def from_bf16_bits(u):
+    return (np.asarray(u).astype(np.uint32) << 16).view(np.float32)
+
+
+def from_e4m3_bits(u):
+    u = np.asarray(u).astype(np.int64)
+    sign = np.where(u & 0x80, -1.0, 1.0)
+    e = (u >> 3) & 0xF
+    mant = u & 7
+    val = np.where(e == 0, mant / 8.0 * 2.0 ** -6, (1 + mant / 8.0) * 2.0 ** (e - 7))
+    val = np.where((u & 0x7F) == 0x7F, np.nan, val)
+    return sign * val

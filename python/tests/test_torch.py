@@ -1,0 +1,147 @@
+"""diffattn.torch: gradcheck of the autograd Functions and the modules, the
+modules against the papers' eager PyTorch modules, zero-copy hand-over, 16-bit
+forward, cached decoding, training with a torch optimizer."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import diffattn  # noqa: E402
+import diffattn.torch as dt  # noqa: E402
+import eager_modules as eager  # noqa: E402
+
+torch.manual_seed(0)
+
+
+def r(*shape, dtype=torch.float64, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def test_gradcheck_kernels():
+    n, m, h, hkv, d = 4, 6, 2, 1, 4  # causal with N < M, GQA
+    q, k, v = r(1, n, 2 * h, d), r(1, m, 2 * hkv, d), r(1, m, hkv, 2 * d)
+    lam = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v1(*a, causal=True), (q, k, v, lam))
+    lam_h = torch.tensor([0.3, 0.9], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v1(*a, causal=True, window_left=2), (q, k, v, lam_h))
+    k2, v2, logit = r(1, m, hkv, d), r(1, m, hkv, d), r(1, n, h)
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v2(*a, causal=True), (q, k2, v2, logit))
+    assert torch.autograd.gradcheck(lambda *a: dt.attention(*a, causal=True), (q, k2, v2))
+
+
+def test_gradcheck_modules():
+    x = r(1, 5, 16)
+    v1 = dt.MultiheadDiffAttnV1(16, 1, 2, 1, dtype=torch.float64)
+    assert torch.autograd.gradcheck(v1, (x,))
+    v2 = dt.MultiheadDiffAttnV2(16, 0, 2, 1, dtype=torch.float64)
+    assert torch.autograd.gradcheck(v2, (x,))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_module_matches_eager_reference(version):
+    e, h, hkv, n = 32, 4, 2, 9
+    torch.manual_seed(version)
+    if version == 1:
+        ref, mod = eager.EagerDiffAttnV1(e, 2, h, hkv), dt.MultiheadDiffAttnV1(e, 2, h, hkv)
+    else:
+        ref, mod = eager.EagerDiffAttnV2(e, 2, h, hkv), dt.MultiheadDiffAttnV2(e, 2, h, hkv)
+    ref.double()
+    mod.double()
+    assert set(mod.state_dict()) == set(ref.state_dict())
+    mod.load_state_dict(ref.state_dict())
+    x = r(2, n, e)
+    y_ref, y = ref(x), mod(x)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    g = torch.randn_like(y)
+    dx_ref, = torch.autograd.grad(y_ref, x, g, retain_graph=True)
+    dx, = torch.autograd.grad(y, x, g, retain_graph=True)
+    assert torch.allclose(dx, dx_ref, rtol=0, atol=1e-11)
+    y_ref.backward(g)
+    y.backward(g)
+    ref_params = dict(ref.named_parameters())
+    for name, p in mod.named_parameters():
+        assert torch.allclose(p.grad, ref_params[name].grad, rtol=0, atol=1e-11), name
+    sd = mod.state_dict()
+    mod2 = type(mod)(e, 2, h, hkv, dtype=torch.float64)
+    mod2.load_state_dict(sd)
+    assert torch.equal(mod2(x), y)
+
+
+def test_zero_copy_handover():
+    t = torch.randn(2, 8, 4, 16)
+    assert dt._np(t).__array_interface__["data"][0] == t.data_ptr()
+    s = t.transpose(1, 2)  # (B, H, N, D) strides: still no copy
+    a = dt._np(s)
+    assert a.__array_interface__["data"][0] == s.data_ptr()
+    assert a.strides == tuple(x * 4 for x in s.stride())
+    b = t.to(torch.bfloat16)
+    ab = dt._np(b)
+    assert ab.dtype == np.uint16 and ab.__array_interface__["data"][0] == b.data_ptr()
+    back = dt._torch(ab)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == b.data_ptr()
+    # kernel outputs come back as tensors over the kernel's arrays
+    q = torch.randn(1, 8, 4, 16)
+    out = dt.diff_attention_v2(q, q[:, :, :2], q[:, :, 2:], torch.zeros(1, 8, 2))
+    assert out.shape == (1, 8, 2, 16)
+
+
+def test_bfloat16_forward_and_backward():
+    q, k, v = r(1, 16, 4, 32, dtype=torch.float32), r(1, 16, 2, 32, dtype=torch.float32), \
+        r(1, 16, 2, 32, dtype=torch.float32)
+    logit = r(1, 16, 2, dtype=torch.float32)
+    want = dt.diff_attention_v2(q, k, v, logit, causal=True)
+    args16 = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v, logit)]
+    out = dt.diff_attention_v2(*args16, causal=True)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - want).abs().max() <= 0.03 * want.abs().max()
+    out.float().sum().backward()  # gradients computed in float32, rounded to bfloat16
+    assert args16[0].grad.dtype == torch.bfloat16 and torch.isfinite(args16[0].grad.float()).all()
+    layer = dt.MultiheadDiffAttnV2(64, 0, 2, 1, dtype=torch.bfloat16)
+    y = layer(torch.randn(1, 7, 64, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 7, 64)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cached_decoding(version):
+    e, h, hkv = 32, 2, 1
+    cls = dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2
+    layer = cls(e, 1, h, hkv, dtype=torch.float64)
+    x = torch.randn(2, 10, e, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        cache = layer.make_cache(2, 16)
+        parts = [layer(x[:, :6], cache)] + [layer(x[:, i:i + 1], cache) for i in range(6, 10)]
+    assert cache.size() == 10
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
+    with pytest.raises(ValueError, match="cannot append"):
+        layer(torch.randn(2, 7, e, dtype=torch.float64), cache)
+
+
+def test_training_with_a_torch_optimizer():
+    torch.manual_seed(3)
+    layer = dt.MultiheadDiffAttnV2(32, 0, 2, 1)
+    head = torch.nn.Linear(32, 4)
+    opt = torch.optim.AdamW(list(layer.parameters()) + list(head.parameters()), lr=1e-2)
+    x = torch.randn(8, 12, 32)
+    target = torch.randint(0, 4, (8,))
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(head(layer(x)[:, -1]), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is not None for p in layer.parameters())
+
+
+def test_errors_from_torch():
+    q = torch.randn(1, 4, 3, 8)  # an odd number of query heads
+    with pytest.raises(ValueError, match="diff_attention_v2: q"):
+        dt.diff_attention_v2(q, q[:, :, :1], q[:, :, :1], torch.zeros(1, 4, 1))
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        dt.attention(q.long(), q.long(), q.long())
