@@ -39,7 +39,8 @@ struct Naive {
       std::vector<double> l(static_cast<std::size_t>(M + 1), -INFINITY);
       for (index_t j = 0; j < M; ++j) {
         if (causal && j > i + M - N) continue;
-        if (doc && (*doc)[static_cast<std::size_t>(i)] != (*doc)[static_cast<std::size_t>(j)]) continue;
+        if (doc && (*doc)[static_cast<std::size_t>(i)] != (*doc)[static_cast<std::size_t>(j)])
+          continue;
         double s = 0;
         for (index_t t = 0; t < d; ++t) s += q(0, i, h, t) * k(0, j, kh, t);
         s /= std::sqrt(static_cast<double>(d));
@@ -120,7 +121,8 @@ int main() {
   // 4. A document mask over a packed row, as a functor, against the packed call.
   const std::vector<index_t> lens = {9, 14, 17};
   std::vector<index_t> doc;
-  for (std::size_t s = 0; s < lens.size(); ++s) doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
+  for (std::size_t s = 0; s < lens.size(); ++s)
+    doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
   o = {};
   o.causal = true;
   o.softcap = 5.0f;
@@ -139,7 +141,8 @@ int main() {
     // Causal within each document: the whole row's causal rule is the same (N = M).
     e4 = std::max(e4, nv.run(q, q, v, h, h, out, h));
   }
-  for (index_t i = 0; i < out.size(); ++i) e4p = std::max(e4p, std::abs(out.data()[i] - packed.data()[i]));
+  for (index_t i = 0; i < out.size(); ++i)
+    e4p = std::max(e4p, std::abs(out.data()[i] - packed.data()[i]));
   report("4. document mask functor (3 documents, 40 tokens)", e4);
   report("   ... against attention_varlen on the documents", e4p);
 
