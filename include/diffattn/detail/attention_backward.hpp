@@ -166,7 +166,7 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
       if (rm[1].has_sink) dsink[hm.q[1]] += static_cast<double>(lambda * pz[1] * e);
     }
   }
-  if constexpr (kScore) {
+  if constexpr (kScore && has_dscore<Mod, T>::value) {  // (else: the static_assert alone)
     for (int m = 0; m < maps; ++m)
       for (index_t j = 0; j < n; ++j)
         r[m][j] *= mod.dscore(sin[m][j], sq.b, hm.q[m], i - sq.q0, kb + j);
