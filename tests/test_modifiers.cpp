@@ -16,6 +16,7 @@
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
+#include <diffattn/reference.hpp>
 
 #include "attention_support.hpp"
 #include "support.hpp"
@@ -390,6 +391,11 @@ TEST_CASE("modifiers: bad options are refused, naming the argument and shapes", 
   o.softcap = std::numeric_limits<float>::infinity();
   test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
                       {"softcap", "finite"});
+  // The materialised reference path refuses modifiers rather than ignoring them.
+  o.softcap = 2.0f;
+  test::require_error(
+      [&] { diffattn::reference::diff_attention_v2<float>(q, k, v, logit, out, {}, o); },
+      {"reference", "softcap"});
 }
 
 namespace {
