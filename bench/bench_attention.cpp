@@ -257,12 +257,12 @@ void modifiers(benchmark::State& state) {
       call(DocumentBlocks{{doc_of.data()}});
     } else if (mode == 6) {
       if constexpr (Kind == 0)
-        diffattn::diff_attention_v1_varlen<float>(drop(q), drop(k), drop(v), 0.8f, out3, lse2,
-                                                  seqs, o);
+        diffattn::diff_attention_v1_varlen<float>(drop(q), drop(k), drop(v), 0.8f, out3, lse2, seqs,
+                                                  o);
       else
-        diffattn::diff_attention_v2_varlen<float>(
-            drop(q), drop(k), drop(v), TensorView<const float, 2>(logit.data(), {n, H}), out3,
-            lse2, seqs, o);
+        diffattn::diff_attention_v2_varlen<float>(drop(q), drop(k), drop(v),
+                                                  TensorView<const float, 2>(logit.data(), {n, H}),
+                                                  out3, lse2, seqs, o);
     } else if constexpr (Kind == 0) {
       diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
     } else {
@@ -287,8 +287,8 @@ void modifiers_backward(benchmark::State& state) {
   diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
   float dlambda = 0;
   for (auto _ : state) {
-    diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv,
-                                                dlambda, o);
+    diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda,
+                                                o);
     benchmark::DoNotOptimize(dq.data());
   }
   set_counters(state, 2.5 * H * 8.0 * visible_pairs(n) * d,
@@ -359,10 +359,25 @@ BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
 // Modifiers: N = 4096 causal, 2 threads (the document mask at 8192 = 8 x 1024).
-BENCHMARK(BM_Mod_V1)->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Mod_V2)->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Mod_V1)->ArgsProduct({{8192}, {2}, {6, 5, 7}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Mod_V2)->ArgsProduct({{8192}, {2}, {6, 5, 7}})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Mod_V1Backward)->ArgsProduct({{4096}, {2}, {0, 2}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Mod_V1)
+    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Mod_V2)
+    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Mod_V1)
+    ->ArgsProduct({{8192}, {2}, {6, 5, 7}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Mod_V2)
+    ->ArgsProduct({{8192}, {2}, {6, 5, 7}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Mod_V1Backward)
+    ->ArgsProduct({{4096}, {2}, {0, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

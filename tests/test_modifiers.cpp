@@ -16,6 +16,7 @@
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
+#include <diffattn/reference.hpp>
 
 #include "attention_support.hpp"
 #include "support.hpp"
@@ -129,8 +130,7 @@ Reference reference(const Case& c, const Inputs& in) {
           const index_t g = oh / group, kh = v1 ? 2 * g + m : g;
           const index_t diag = i + c.M - c.N;
           for (index_t j = 0; j < c.M; ++j) {
-            const bool visible =
-                (c.wl < 0 || j >= diag - c.wl) && (wr < 0 || j <= diag + wr);
+            const bool visible = (c.wl < 0 || j >= diag - c.wl) && (wr < 0 || j <= diag + wr);
             const double* qr = &in.q(b, i, qh, 0);
             const double* kr = &in.k(b, j, kh, 0);
             double s = 0;
@@ -391,6 +391,11 @@ TEST_CASE("modifiers: bad options are refused, naming the argument and shapes", 
   o.softcap = std::numeric_limits<float>::infinity();
   test::require_error([&] { diffattn::diff_attention_v2<float>(q, k, v, logit, out, o); },
                       {"softcap", "finite"});
+  // The materialised reference path refuses modifiers rather than ignoring them.
+  o.softcap = 2.0f;
+  test::require_error(
+      [&] { diffattn::reference::diff_attention_v2<float>(q, k, v, logit, out, {}, o); },
+      {"reference", "softcap"});
 }
 
 namespace {
@@ -430,8 +435,8 @@ Grads backward(const Case& c, const Inputs& in, const Tensor<double, 4>& g, cons
       break;
     case Kind::v1: {
       double dl = 0;
-      diffattn::diff_attention_v1_backward<double>(in.q, in.k, in.v, in.lam[0], out, lse, g,
-                                                   gr.dq, gr.dk, gr.dv, dl, o, ds, mod);
+      diffattn::diff_attention_v1_backward<double>(in.q, in.k, in.v, in.lam[0], out, lse, g, gr.dq,
+                                                   gr.dk, gr.dv, dl, o, ds, mod);
       break;
     }
     case Kind::v1_heads: {
@@ -467,8 +472,8 @@ double numeric(const Set& set, double x0, double h, const std::function<double()
 template <class Mod = diffattn::NoScoreMod>
 void check_gradients(Case c, std::uint64_t seed, const Mod& mod = Mod()) {
   INFO(kind_name(c.kind) << " B=" << c.B << " N=" << c.N << " M=" << c.M << " H=" << c.H
-                         << " Hkv=" << c.Hkv << " causal=" << c.causal << " window=(" << c.wl
-                         << "," << c.wr << ") softcap=" << c.softcap << " alibi=" << c.alibi
+                         << " Hkv=" << c.Hkv << " causal=" << c.causal << " window=(" << c.wl << ","
+                         << c.wr << ") softcap=" << c.softcap << " alibi=" << c.alibi
                          << " sinks=" << c.sinks);
   Inputs in = make_inputs(c, seed);
   const bool v1 = c.kind == Kind::v1 || c.kind == Kind::v1_heads;
@@ -594,8 +599,8 @@ void run_kvcache(const Case& c, const Inputs& in, const Tensor<T, 4>& q, const T
       break;
     }
     default:
-      diffattn::diff_attention_v1_kvcache<T>(q, k, v, static_cast<diffattn::compute_t<T>>(in.lam[0]),
-                                             out, lse, cache, o);
+      diffattn::diff_attention_v1_kvcache<T>(
+          q, k, v, static_cast<diffattn::compute_t<T>>(in.lam[0]), out, lse, cache, o);
   }
 }
 
@@ -723,13 +728,13 @@ TEST_CASE("modifiers: packed varlen, i and j within each sequence", "[modifiers]
           break;
         case Kind::v1_heads:
           diffattn::diff_attention_v1_varlen<double>(
-              d3(in.q), d3(in.k), d3(in.v),
-              TensorView<const double, 1>(in.lam.data(), {c.H}), out3, lse, seqs, o);
+              d3(in.q), d3(in.k), d3(in.v), TensorView<const double, 1>(in.lam.data(), {c.H}), out3,
+              lse, seqs, o);
           break;
         default:
           diffattn::diff_attention_v2_varlen<double>(
-              d3(in.q), d3(in.k), d3(in.v),
-              TensorView<const double, 2>(in.logit.data(), {Tq, c.H}), out3, lse, seqs, o);
+              d3(in.q), d3(in.k), d3(in.v), TensorView<const double, 2>(in.logit.data(), {Tq, c.H}),
+              out3, lse, seqs, o);
       }
       for (std::size_t s = 0; s < lq.size(); ++s) {
         const index_t q0 = seqs.cu_seqlens_q[s], k0 = seqs.cu_seqlens_k[s];
@@ -821,17 +826,22 @@ TEST_CASE("modifiers: user functors (score, visible) in the forward", "[modifier
     Case p{kind, 1, 90, 90, 2, 2, 16};
     p.sinks = true;
     const PrefixLM plm{17};
-    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) { return plm.visible(b, h, i, j); };
+    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) {
+      return plm.visible(b, h, i, j);
+    };
     check_case(p, seed++, false, plm);
     Case dn{kind, 1, 4, 50, 2, 1, 16};  // a decoding step's shape: block kernel
     dn.fscore = warp_ref;
     const PrefixLM plm2{30};
-    dn.fvisible = [plm2](index_t b, index_t h, index_t i, index_t j) { return plm2.visible(b, h, i, j); };
+    dn.fvisible = [plm2](index_t b, index_t h, index_t i, index_t j) {
+      return plm2.visible(b, h, i, j);
+    };
     check_case(dn, seed++, false, Both{WarpScore{}, plm2});
   }
 }
 
-TEST_CASE("modifiers: an empty functor is the kernel without one, bitwise", "[modifiers][functor]") {
+TEST_CASE("modifiers: an empty functor is the kernel without one, bitwise",
+          "[modifiers][functor]") {
   Case c{Kind::v2, 1, 70, 90, 2, 1, 16};
   c.causal = true;
   const Inputs in = make_inputs(c, 21);
@@ -849,7 +859,8 @@ TEST_CASE("modifiers: a document mask functor equals the packed varlen call",
           "[modifiers][functor]") {
   const std::vector<index_t> lens = {70, 33, 130, 7, 60};
   std::vector<index_t> doc;
-  for (std::size_t s = 0; s < lens.size(); ++s) doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
+  for (std::size_t s = 0; s < lens.size(); ++s)
+    doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
   const index_t T = static_cast<index_t>(doc.size());
   Case c{Kind::v1, 1, T, T, 2, 1, 16};
   c.causal = true;
@@ -890,7 +901,8 @@ TEST_CASE("modifiers: a document mask functor equals the packed varlen call",
   run_fused<double>(c, in, in.q, in.k, in.v, blocks, lse_b, o2, DocumentBlocks{dp});
   REQUIRE(rel_error(blocks, packed) <= 1e-12);
   for (index_t h = 0; h < 4; ++h)
-    for (index_t i = 0; i < T; ++i) REQUIRE(std::abs(lse(0, h, i) - lse_p(h, i)) <= 1e-12 * (1 + std::abs(lse_p(h, i))));
+    for (index_t i = 0; i < T; ++i)
+      REQUIRE(std::abs(lse(0, h, i) - lse_p(h, i)) <= 1e-12 * (1 + std::abs(lse_p(h, i))));
 }
 
 TEST_CASE("modifiers: user functors in the backward (finite differences)", "[modifiers][functor]") {
@@ -905,7 +917,9 @@ TEST_CASE("modifiers: user functors in the backward (finite differences)", "[mod
     Case p{kind, 1, 20, 20, 2, 1, 8};
     p.sinks = true;
     const PrefixLM plm{6};
-    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) { return plm.visible(b, h, i, j); };
+    p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) {
+      return plm.visible(b, h, i, j);
+    };
     check_gradients(p, seed++, plm);
   }
 }
@@ -913,7 +927,8 @@ TEST_CASE("modifiers: user functors in the backward (finite differences)", "[mod
 TEST_CASE("modifiers: standard ALiBi slopes", "[modifiers][layer]") {
   const std::vector<float> s8 = diffattn::standard_alibi_slopes(8);
   REQUIRE(s8.size() == 8);
-  for (int i = 0; i < 8; ++i) REQUIRE(s8[static_cast<std::size_t>(i)] == std::ldexp(1.0f, -(i + 1)));
+  for (int i = 0; i < 8; ++i)
+    REQUIRE(s8[static_cast<std::size_t>(i)] == std::ldexp(1.0f, -(i + 1)));
   const std::vector<float> s6 = diffattn::standard_alibi_slopes(6);  // 4 of m = 4, then 2 of 8
   const float want6[] = {0.25f, 0.0625f, 0.015625f, 0.00390625f, 0.5f, 0.125f};
   for (int i = 0; i < 6; ++i) REQUIRE(s6[static_cast<std::size_t>(i)] == want6[i]);

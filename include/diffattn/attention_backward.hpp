@@ -40,12 +40,12 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
-    const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+  detail::BackwardProblem<T> bp =
+      detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
                              TensorView<T, 1>(&dlambda, {1}), options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options);
@@ -65,7 +65,7 @@ void diff_attention_v1_backward(
                 "diff_attention_v1_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
-                                                        dq, dk, dv, dlambda, options);
+                                                         dq, dk, dv, dlambda, options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
@@ -85,7 +85,7 @@ void diff_attention_v2_backward(
                 "diff_attention_v2_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
-                                                        dk, dv, dlambda_logit, options);
+                                                         dk, dv, dlambda_logit, options);
   detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
@@ -100,11 +100,12 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
                         const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+                        detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "attention_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::BackwardProblem<T> bp = detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
+  detail::BackwardProblem<T> bp =
+      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
   detail::attach_dsinks("attention_backward", bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
@@ -124,9 +125,9 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
     const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
   static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
-  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
-      q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv, TensorView<T, 1>(&dlambda, {1}),
-      options);
+  detail::BackwardProblem<T> bp =
+      detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+                             TensorView<T, 1>(&dlambda, {1}), options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
@@ -141,7 +142,7 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
   static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
-                                                        dq, dk, dv, dlambda, options);
+                                                         dq, dk, dv, dlambda, options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
@@ -156,7 +157,7 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
   static_assert(!is_half_storage_v<T>, "diff_attention_v2_backward: no 16-bit storage");
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
-                                                        dk, dv, dlambda_logit, options);
+                                                         dk, dv, dlambda_logit, options);
   detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }

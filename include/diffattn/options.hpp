@@ -120,8 +120,8 @@ inline void validate_score_mods(const char* fn, const AttentionOptions& o, index
            query_heads, "), one per query head (q has ", query_heads, " heads)");
     for (index_t h = 0; h < query_heads; ++h)
       if (!std::isfinite(t(h)))
-        fail(fn, "options.", name, " must be finite, got ", name, "[", h, "] = ", t(h),
-             " (shape ", shape_str(t.shape()), ")");
+        fail(fn, "options.", name, " must be finite, got ", name, "[", h, "] = ", t(h), " (shape ",
+             shape_str(t.shape()), ")");
   };
   check("alibi_slopes", o.alibi_slopes);
   check("sinks", o.sinks);
@@ -129,8 +129,7 @@ inline void validate_score_mods(const char* fn, const AttentionOptions& o, index
 
 /// Refuses score modifiers where they are not implemented.
 inline void refuse_score_mods(const char* fn, const AttentionOptions& o) {
-  if (has_score_mods(o))
-    fail(fn, "options.softcap, alibi_slopes and sinks are not supported here");
+  if (has_score_mods(o)) fail(fn, "options.softcap, alibi_slopes and sinks are not supported here");
 }
 
 /// The visible band the options describe.

@@ -172,8 +172,7 @@ void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 1> dlambda, const PackedSequences& seqs,
-    const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
@@ -196,8 +195,7 @@ void diff_attention_v2_varlen_backward(
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 2> dlambda_logit, const PackedSequences& seqs,
-    const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v2_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v2_varlen_backward: no 16-bit storage; compute "
@@ -214,16 +212,13 @@ void diff_attention_v2_varlen_backward(
 
 /// Backward of attention_varlen.
 template <class T>
-void attention_varlen_backward(detail::nondeduced_view<const T, 3> q,
-                               detail::nondeduced_view<const T, 3> k,
-                               detail::nondeduced_view<const T, 3> v,
-                               detail::nondeduced_view<const T, 3> out,
-                               detail::nondeduced_view<const compute_t<T>, 2> lse,
-                               detail::nondeduced_view<const T, 3> dout,
-                               detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
-                               detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
-                               const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+void attention_varlen_backward(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 3> out,
+    detail::nondeduced_view<const compute_t<T>, 2> lse, detail::nondeduced_view<const T, 3> dout,
+    detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
+    detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
+    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "attention_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "attention_varlen_backward: no 16-bit storage; compute "

@@ -74,9 +74,9 @@ struct BackwardWorkspace {
   ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
 
   void trim() {
-    ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0], &kc[1], &vt,   &dkt[0], &dkt[1],
-                               &dvt,   &qs[0], &qs[1], &qst[0], &qst[1], &dout, &doutt,
-                               &s[0],  &s[1],  &s[2],  &dq,    &th[0], &th[1], &sin[0], &sin[1]};
+    ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0],  &kc[1],  &vt,     &dkt[0], &dkt[1], &dvt,
+                               &qs[0], &qs[1], &qst[0], &qst[1], &dout,   &doutt,  &s[0],   &s[1],
+                               &s[2],  &dq,    &th[0],  &th[1],  &sin[0], &sin[1]};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     if (total > Workspace<T>::kRetainBytes)
@@ -124,7 +124,8 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
     if (rm[m].cap > T(0)) th[m] = ws.th[m].get(std::max<index_t>(n, 1));
     modify_scores(r[m], n, rm[m], diag, kb, th[m]);
     if constexpr (kScore) sin[m] = ws.sin[m].get(std::max<index_t>(n, 1));
-    if constexpr (kScore || kVisible) functor_scores(mod, r[m], n, sq.b, hm.q[m], i - sq.q0, kb, sin[m]);
+    if constexpr (kScore || kVisible)
+      functor_scores(mod, r[m], n, sq.b, hm.q[m], i - sq.q0, kb, sin[m]);
     ArrayMap a(r[m], n);
     const T lse = p.lse(sq.b, hm.q[m], i);
     if (lse == -std::numeric_limits<T>::infinity()) {
@@ -165,7 +166,7 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
       if (rm[1].has_sink) dsink[hm.q[1]] += static_cast<double>(lambda * pz[1] * e);
     }
   }
-  if constexpr (kScore) {
+  if constexpr (kScore && has_dscore<Mod, T>::value) {  // (else: the static_assert alone)
     for (int m = 0; m < maps; ++m)
       for (index_t j = 0; j < n; ++j)
         r[m][j] *= mod.dscore(sin[m][j], sq.b, hm.q[m], i - sq.q0, kb + j);
@@ -284,8 +285,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         T* rw = s[2] + ii * lds + off;
         if (functor || p.modified) {
           T* rows_m[2] = {r0, maps == 2 ? s[1] + ii * lds + off : nullptr};
-          const T dlambda_i = backward_row_modified(bp, sq, oh, hm, i, br.begin(ii), n, rows_m,
-                                                    rw, ws, dsink, mod);
+          const T dlambda_i =
+              backward_row_modified(bp, sq, oh, hm, i, br.begin(ii), n, rows_m, rw, ws, dsink, mod);
           if (maps == 2) {
             if (p.kind == AttnKind::v2) {
               const T sg = row_lambda(p, sq.b, i, oh);

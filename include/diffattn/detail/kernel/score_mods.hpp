@@ -53,10 +53,10 @@ struct has_dscore<Mod, S,
 template <class Mod, class = void>
 struct has_visible_block : std::false_type {};
 template <class Mod>
-struct has_visible_block<Mod, std::void_t<decltype(static_cast<int>(
-                                  std::declval<const Mod&>().visible_block(
-                                      index_t(), index_t(), index_t(), index_t(), index_t(),
-                                      index_t())))>> : std::true_type {};
+struct has_visible_block<
+    Mod, std::void_t<decltype(static_cast<int>(std::declval<const Mod&>().visible_block(
+             index_t(), index_t(), index_t(), index_t(), index_t(), index_t())))>>
+    : std::true_type {};
 /// Keys per chunk classified by visible_block.
 constexpr index_t kVisibleChunk = 64;
 
@@ -115,7 +115,8 @@ struct ClampedRows : BlockRows {
 /// every pair evaluated, or only those of the chunks visible_block calls
 /// partial).
 template <class Mod>
-ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh, int maps) {
+ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh,
+                       int maps) {
   ClampedRows cr;
   static_cast<BlockRows&>(cr) = br;
   const index_t jb = br.begin(0), je = std::max(jb, br.end(br.rows - 1));
@@ -169,9 +170,9 @@ ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const ind
 /// The modifiers of one query head in the compute type C.
 template <class C>
 struct RowMods {
-  C cap = C(0);                                    // softcap, 0: none
-  C slope = C(0);                                  // ALiBi slope, 0: none
-  C sink = -std::numeric_limits<C>::infinity();    // sink logit
+  C cap = C(0);                                  // softcap, 0: none
+  C slope = C(0);                                // ALiBi slope, 0: none
+  C sink = -std::numeric_limits<C>::infinity();  // sink logit
   bool has_sink = false;
 };
 

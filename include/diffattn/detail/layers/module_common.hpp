@@ -224,7 +224,7 @@ inline AttentionOptions module_options(bool causal, index_t left, index_t right,
 /// options they give and, for learned sinks (2H) stored as T, their float copy.
 struct ModuleMods {
   float softcap = 0;
-  std::vector<float> alibi;  // (2H) slopes, or empty
+  std::vector<float> alibi;          // (2H) slopes, or empty
   mutable std::vector<float> sinks;  // float copy of the layer's sinks, or empty
 
   ModuleMods() = default;
@@ -236,10 +236,12 @@ struct ModuleMods {
   void apply(AttentionOptions& o, const T* learned, index_t n) const {
     o.softcap = softcap;
     if (!alibi.empty())
-      o.alibi_slopes = TensorView<const float, 1>(alibi.data(), {static_cast<index_t>(alibi.size())});
+      o.alibi_slopes =
+          TensorView<const float, 1>(alibi.data(), {static_cast<index_t>(alibi.size())});
     if (learned) {
       sinks.resize(static_cast<std::size_t>(n));
-      for (index_t h = 0; h < n; ++h) sinks[static_cast<std::size_t>(h)] = static_cast<float>(learned[h]);
+      for (index_t h = 0; h < n; ++h)
+        sinks[static_cast<std::size_t>(h)] = static_cast<float>(learned[h]);
       o.sinks = TensorView<const float, 1>(sinks.data(), {n});
     }
   }

@@ -23,6 +23,8 @@ void scatter_head_add(const TensorView<T, 4>& t, index_t b, index_t head, index_
 
 template <class T>
 void reference_backward_run(const BackwardProblem<T>& bp) {
+  if (bp.fwd.modified)
+    fail("diffattn::reference", "options.softcap, alibi_slopes and sinks are not supported here");
   const AttentionProblem<T>& p = bp.fwd;
   for (const TensorView<T, 4>* t : {&bp.dq, &bp.dk, &bp.dv})
     for (index_t a = 0; a < t->shape(0); ++a)

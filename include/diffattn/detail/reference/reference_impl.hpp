@@ -61,6 +61,9 @@ void reference_head(const AttentionProblem<T>& p, index_t seq, index_t oh) {
 /// user of Eigen would (each head's products then run single-threaded).
 template <class T>
 void reference_run(const AttentionProblem<T>& p, const AttentionOptions& options) {
+  // The materialised reference knows no score modifier: refuse rather than ignore.
+  if (p.modified)
+    fail("diffattn::reference", "options.softcap, alibi_slopes and sinks are not supported here");
   const index_t tasks = p.num_seqs() * p.heads;
   if (tasks == 0) return;
   parallel_tasks(
