@@ -167,6 +167,8 @@ void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<co
 /// through the block kernel here. A NaN from score makes its row NaN, as a
 /// NaN input does.
 /// @{
+
+/// diff_attention_v1 (one lambda) with a user score functor `mod`.
 template <class T, class Mod>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
@@ -177,6 +179,7 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
       detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options);
   detail::run_attention(p, options, mod);
 }
+/// diff_attention_v1 (lambda per DIFF head, (H)) with a user score functor `mod`.
 template <class T, class Mod>
 void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
@@ -188,6 +191,7 @@ void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced
       detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options);
   detail::run_attention(p, options, mod);
 }
+/// diff_attention_v2 with a user score functor `mod`.
 template <class T, class Mod>
 void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                        detail::nondeduced_view<const T, 4> v,
@@ -199,6 +203,7 @@ void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced
       detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options);
   detail::run_attention(p, options, mod);
 }
+/// attention (plain softmax) with a user score functor `mod`.
 template <class T, class Mod>
 void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
                detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,

@@ -116,6 +116,8 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
 /// else the call does not compile. The backward evaluates the functor on
 /// every pair of each block's band (no narrowing by `visible`).
 /// @{
+
+/// diff_attention_v1_backward (one lambda) with the forward's functor `mod`.
 template <class T, class Mod>
 void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -131,6 +133,7 @@ void diff_attention_v1_backward(
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
+/// diff_attention_v1_backward (lambda per DIFF head) with the forward's functor `mod`.
 template <class T, class Mod>
 void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -146,6 +149,7 @@ void diff_attention_v1_backward(
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
+/// diff_attention_v2_backward with the forward's functor `mod`.
 template <class T, class Mod>
 void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
@@ -161,6 +165,7 @@ void diff_attention_v2_backward(
   detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
+/// attention_backward with the forward's functor `mod`.
 template <class T, class Mod>
 void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const T, 4> k,

@@ -63,7 +63,9 @@ struct DiffAttnV1Config {
   /// standard_alibi_slopes(2H) (both maps' query heads), learned sinks, the
   /// parameter `sinks` (2H), initialised to 0.
   float softcap = 0;
+  /// ALiBi with standard_alibi_slopes(2H), one slope per query head.
   bool alibi = false;
+  /// Learned attention sinks: the parameter `sinks` (2H), initialised to 0.
   bool sinks = false;
 };
 

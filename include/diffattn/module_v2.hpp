@@ -54,7 +54,9 @@ struct DiffAttnV2Config {
   /// DIFF head are covered (usually with rope = false); learned attention
   /// sinks, the parameter `sinks` (2H), initialised to 0.
   float softcap = 0;
+  /// ALiBi with standard_alibi_slopes(2H), one slope per query head.
   bool alibi = false;
+  /// Learned attention sinks: the parameter `sinks` (2H), initialised to 0.
   bool sinks = false;
 };
 

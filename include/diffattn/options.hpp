@@ -63,9 +63,9 @@ struct AttentionOptions {
 /// The default score functor of the kernels: no member, so nothing is added
 /// to them. A user functor may define any of (S the compute type: float, or
 /// double)
-///   template <class S> S score(S s, index_t b, index_t h, index_t i, index_t j) const;
+///   template \<class S\> S score(S s, index_t b, index_t h, index_t i, index_t j) const;
 ///   bool visible(index_t b, index_t h, index_t i, index_t j) const;
-///   template <class S> S dscore(S s, index_t b, index_t h, index_t i, index_t j) const;
+///   template \<class S\> S dscore(S s, index_t b, index_t h, index_t i, index_t j) const;
 /// score replaces the (capped, biased) score s of query i and key j of query
 /// head h in batch entry b; visible false masks the pair; dscore is
 /// d score / d s, which a backward call needs when score is defined.
