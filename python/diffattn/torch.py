@@ -242,10 +242,12 @@ class KVCache:
 
 class _Module(nn.Module):
     def _check_cache_use(self, cache):
+        # The cached forward is for inference: it runs under no_grad.
         if not self.causal:
             raise ValueError(f"{type(self).__name__}.forward: a KV cache needs a causal module")
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            pass  # the cached forward is for inference: no graph is recorded through the cache
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"{type(self).__name__}.forward: cache must come from make_cache, "
+                             f"got {type(cache).__name__}")
 
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
