@@ -8,7 +8,7 @@
 
 #include <diffattn/analysis.hpp>
 #include <diffattn/attention.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 
 namespace {
 

@@ -11,14 +11,17 @@
 //
 // BM_Bf16_<kind>: the same fused kernels with q, k, v and out stored as
 // bfloat16 (V2's lambda_logit too): under AVX512-BF16 both products run on
-// bf16 dot products (detail/bf16_dot.hpp, detail/bf16_wv.hpp). Their rates
+// bf16 dot products (detail/kernel/bf16_dot.hpp, detail/kernel/bf16_wv.hpp). Their rates
 // are compared with BM_Bf16Peak, the instruction's peak in the same run.
 //
 // Arguments: {N, threads}. B = 1, causal.
 #include <benchmark/benchmark.h>
 
 #include <diffattn/diffattn.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
+
+#include <type_traits>
+#include <vector>
 
 #include "bench_common.hpp"
 
@@ -193,6 +196,105 @@ void decode(benchmark::State& state) {
                4.0 * static_cast<double>(k.size() + v.size()));
 }
 
+// Score modifiers (issue 37) on the V1 (Kind 0) and V2 (Kind 1) shapes above,
+// {N, threads, mode}: 0 none, 1 an empty functor, 2 softcap 30, 3 ALiBi, 4
+// sinks, 5 a document mask of 8 equal sequences as a `visible` functor over
+// the whole row, 7 the same functor with visible_block (chunks classified
+// from the documents' ranges), 6 the packed varlen call on the same 8
+// sequences (the baseline of 5 and 7). Ratios against mode 0 (modes 1-4) and
+// 6 (modes 5, 7) come from one run.
+using diffattn::TensorView;
+struct EmptyMod {};
+struct DocumentMask {
+  const index_t* doc;  // document of each token, non-decreasing
+  bool visible(index_t, index_t, index_t i, index_t j) const { return doc[i] == doc[j]; }
+};
+struct DocumentBlocks : DocumentMask {
+  int visible_block(index_t, index_t, index_t i0, index_t i1, index_t j0, index_t j1) const {
+    const index_t qa = doc[i0], qb = doc[i1 - 1], ka = doc[j0], kb = doc[j1 - 1];
+    if (qb < ka || kb < qa) return 0;
+    return qa == qb && ka == kb && qa == ka ? 2 : 1;
+  }
+};
+
+template <int Kind>
+void modifiers(benchmark::State& state) {
+  const index_t n = state.range(0), mode = state.range(2), d = kHeadDim, H = 8;
+  const index_t kh = Kind == 0 ? 2 * H : 8, vw = Kind == 0 ? 2 * d : d;
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, kh, d}, 2),
+             v = random4({1, n, Kind == 0 ? H : 8, vw}, 3);
+  Tensor<float, 3> logit({1, n, H});
+  Tensor<float, 4> out({1, n, H, vw});
+  Tensor<float, 3> lse({1, 2 * H, n});
+  auto o = options(state, true);
+  const std::vector<float> slopes = diffattn::standard_alibi_slopes(2 * H);
+  std::vector<float> sinks(static_cast<std::size_t>(2 * H), 0.5f);
+  if (mode == 2) o.softcap = 30.0f;
+  if (mode == 3) o.alibi_slopes = TensorView<const float, 1>(slopes.data(), {2 * H});
+  if (mode == 4) o.sinks = TensorView<const float, 1>(sinks.data(), {2 * H});
+  const index_t doc = n / 8;
+  std::vector<index_t> doc_of(static_cast<std::size_t>(n));
+  for (index_t t = 0; t < n; ++t) doc_of[static_cast<std::size_t>(t)] = t / doc;
+  const auto seqs = diffattn::PackedSequences::from_lengths(std::vector<index_t>(8, doc));
+  auto drop = [](const auto& t) {
+    using V = std::remove_const_t<std::remove_pointer_t<decltype(t.data())>>;
+    return TensorView<const V, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+  };
+  TensorView<float, 3> out3(out.data(), {n, H, vw});
+  TensorView<float, 2> lse2(lse.data(), {2 * H, n});
+  auto call = [&](const auto& mod) {
+    if constexpr (Kind == 0)
+      diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o, mod);
+    else
+      diffattn::diff_attention_v2<float>(q, k, v, logit, out, lse, o, mod);
+  };
+  for (auto _ : state) {
+    if (mode == 1) {
+      call(EmptyMod{});
+    } else if (mode == 5) {
+      call(DocumentMask{doc_of.data()});
+    } else if (mode == 7) {
+      call(DocumentBlocks{{doc_of.data()}});
+    } else if (mode == 6) {
+      if constexpr (Kind == 0)
+        diffattn::diff_attention_v1_varlen<float>(drop(q), drop(k), drop(v), 0.8f, out3, lse2,
+                                                  seqs, o);
+      else
+        diffattn::diff_attention_v2_varlen<float>(
+            drop(q), drop(k), drop(v), TensorView<const float, 2>(logit.data(), {n, H}), out3,
+            lse2, seqs, o);
+    } else if constexpr (Kind == 0) {
+      diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
+    } else {
+      diffattn::diff_attention_v2<float>(q, k, v, logit, out, lse, o);
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double pairs = mode >= 5 ? 8 * visible_pairs(doc) : visible_pairs(n);
+  set_counters(state, H * 8.0 * pairs * d,
+               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
+}
+
+// V1 backward with softcap 30 (mode 2) against none (mode 0), {N, threads, mode}.
+void modifiers_backward(benchmark::State& state) {
+  const index_t n = state.range(0), H = 8, d = kHeadDim;
+  const auto q = random4({1, n, 2 * H, d}, 1), k = random4({1, n, 2 * H, d}, 2),
+             v = random4({1, n, H, 2 * d}, 3), dout = random4({1, n, H, 2 * d}, 4);
+  Tensor<float, 4> out({1, n, H, 2 * d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
+  Tensor<float, 3> lse({1, 2 * H, n});
+  auto o = options(state, true);
+  if (state.range(2) == 2) o.softcap = 30.0f;
+  diffattn::diff_attention_v1<float>(q, k, v, 0.8f, out, lse, o);
+  float dlambda = 0;
+  for (auto _ : state) {
+    diffattn::diff_attention_v1_backward<float>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv,
+                                                dlambda, o);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  set_counters(state, 2.5 * H * 8.0 * visible_pairs(n) * d,
+               4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size()));
+}
+
 // V2 decoding: 16 query heads read 8 kv heads of 64, each pair one kv head.
 void BM_Fused_V2Decode(benchmark::State& state) {
   const index_t m = state.range(0), H = 8, Hkv = 8, d = kHeadDim;
@@ -223,6 +325,10 @@ void BM_Reference_V2(benchmark::State& s) { v2<false>(s); }
 void BM_Fused_Plain(benchmark::State& s) { plain<true>(s); }
 void BM_Reference_Plain(benchmark::State& s) { plain<false>(s); }
 
+void BM_Mod_V1(benchmark::State& s) { modifiers<0>(s); }
+void BM_Mod_V2(benchmark::State& s) { modifiers<1>(s); }
+void BM_Mod_V1Backward(benchmark::State& s) { modifiers_backward(s); }
+
 void BM_Bf16_V1(benchmark::State& s) { fused16<diffattn::bfloat16, 0>(s); }
 void BM_Bf16_V2(benchmark::State& s) { fused16<diffattn::bfloat16, 1>(s); }
 void BM_Bf16_Plain(benchmark::State& s) { fused16<diffattn::bfloat16, 2>(s); }
@@ -252,5 +358,11 @@ BENCHMARK(BM_Fused_PlainDecode)->Apply([](auto* b) { sizes(b, {4096, 16384}); })
 BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
+// Modifiers: N = 4096 causal, 2 threads (the document mask at 8192 = 8 x 1024).
+BENCHMARK(BM_Mod_V1)->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Mod_V2)->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Mod_V1)->ArgsProduct({{8192}, {2}, {6, 5, 7}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Mod_V2)->ArgsProduct({{8192}, {2}, {6, 5, 7}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Mod_V1Backward)->ArgsProduct({{4096}, {2}, {0, 2}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

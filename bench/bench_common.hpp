@@ -23,8 +23,8 @@
 #include <immintrin.h>
 #endif
 
-#include <diffattn/detail/random.hpp>
-#include <diffattn/detail/tile.hpp>
+#include <diffattn/detail/core/random.hpp>
+#include <diffattn/detail/kernel/tile.hpp>
 #include <diffattn/tensor.hpp>
 
 #ifdef _OPENMP

@@ -2,7 +2,7 @@
 // memory-bound (a decoding step reads the whole cache) and where they are
 // compute-bound (prefill: inputs widened once per tile and the products in
 // float, except for bfloat16 storage under AVX512-BF16, where Q K^T and W V
-// run on bf16 dot products: see detail/bf16_dot.hpp and detail/bf16_wv.hpp).
+// run on bf16 dot products: see detail/kernel/bf16_dot.hpp and detail/kernel/bf16_wv.hpp).
 //
 //   BM_HalfDecode_V2<S>   one decoding step of V2, 16 query heads (8 DIFF
 //                         pairs) on 8 kv heads of d = 64, float queries over a

@@ -1,8 +1,8 @@
-// The layers' projection product y = x W^T (detail/linear.hpp) beside Eigen's
+// The layers' projection product y = x W^T (detail/layers/linear.hpp) beside Eigen's
 // GEMM on the same data. Arguments: {rows, threads}; in = out = 1024.
 #include <benchmark/benchmark.h>
 
-#include <diffattn/detail/linear.hpp>
+#include <diffattn/detail/layers/linear.hpp>
 #include <diffattn/matrix.hpp>
 
 namespace {

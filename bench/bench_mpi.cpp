@@ -23,7 +23,7 @@
 
 #include <diffattn/attention.hpp>
 #include <diffattn/diff_states.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/mpi.hpp>
 
 using diffattn::AttentionOptions;

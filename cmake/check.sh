@@ -12,23 +12,59 @@ fuzz_seconds=${DIFFATTN_FUZZ_SECONDS:-25}
 
 sh cmake/deps.sh --test
 start=$(date +%s)
-stage() { echo "== $1 ($(($(date +%s) - start)) s in)"; }
+stage_start=$start
+stage_name=""
+# Each stage prints its own time when the next one starts, and the total at the end.
+stage() {
+  now=$(date +%s)
+  [ -n "$stage_name" ] && echo "== $stage_name: $((now - stage_start)) s"
+  stage_name=$1
+  stage_start=$now
+  [ -n "$1" ] && echo "== $1 ($((now - start)) s in)"
+  return 0
+}
+
+# ccache, where installed (deps.sh --test installs it), keeps compiled objects
+# between runs on this machine: paths are taken relative to the clone
+# (CCACHE_BASEDIR), so a fresh clone of an unchanged tree compiles nothing
+# again. An object depends on the compilers' versions and on this CPU's
+# flags too, since -march=native means another instruction set on another
+# machine. DIFFATTN_CCACHE=0 turns it off.
+launcher=""
+if [ "${DIFFATTN_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
+  CCACHE_BASEDIR=$(pwd)
+  CCACHE_NOHASHDIR=1
+  CCACHE_COMPILERCHECK="string:$( (c++ -dumpfullversion; clang++ --version 2>/dev/null | head -n 1;
+    grep -m 1 '^flags' /proc/cpuinfo 2>/dev/null) | cksum | cut -d ' ' -f 1)"
+  export CCACHE_BASEDIR CCACHE_NOHASHDIR CCACHE_COMPILERCHECK
+  launcher="-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
+  ccache --zero-stats >/dev/null
+fi
 
 stage "1/3 release build and tests"
-cmake -S . -B build
+# The per-header unit tests are built once, in stage 2, under the sanitizers:
+# here the optimised code they do not reach that way, the kernels of
+# diffattn::dispatch once per instruction-set variant (tests/dispatch: the
+# forward, backward, decoding, 16-bit and 8-bit tests), the same tests'
+# pieces compiled for this machine (*_native), the memory test, the MPI
+# tests, the examples, the benchmarks, the Python module, the header checks
+# and the consumer projects.
+cmake -S . -B build $launcher -DDIFFATTN_UNIT_TESTS=OFF
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
+# The API reference: Doxygen over the public headers; any warning (an
+# undocumented public entity, a broken reference) fails the docs target.
+cmake --build build --target docs
 
 stage "2/3 tests under AddressSanitizer and UndefinedBehaviorSanitizer"
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-# The examples run in stage 1; here the unit tests, which reach the same code.
-# diffattn::dispatch's variants compile the same kernels as the header-only
-# tests: stage 1 runs them, once per variant.
+# Every per-header unit test, header-only with the compiler's default
+# instruction set, as a program built without -march would run them.
 # test_hygiene (each header compiled alone) is built in stage 1 only.
 # -g1 keeps the line tables the sanitizers' reports need and compiles a third
 # faster than -g; -Og builds them in about 6.5 minutes on 2 cores against about 9
 # with -O1 (test_half.cpp: 50 s against 88), and the tests run as fast (30 s).
-cmake -S . -B build-sanitize -DCMAKE_BUILD_TYPE=Debug -DDIFFATTN_BUILD_BENCH=OFF \
+cmake -S . -B build-sanitize $launcher -DCMAKE_BUILD_TYPE=Debug -DDIFFATTN_BUILD_BENCH=OFF \
   -DDIFFATTN_BUILD_EXAMPLES=OFF -DDIFFATTN_NATIVE_TESTS=OFF -DDIFFATTN_HEADER_CHECKS=OFF \
   -DDIFFATTN_BUILD_DISPATCH=OFF \
   -DCMAKE_CXX_FLAGS_DEBUG="-Og -g1" \
@@ -46,7 +82,7 @@ if ctest --test-dir build-sanitize -N -R mpi | grep -q "Test *#"; then
 fi
 
 stage "3/3 fuzzing the safetensors reader, the view checks, the KV cache kernels and the layers' caches"
-cmake -S . -B build-fuzz -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B build-fuzz $launcher -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDIFFATTN_BUILD_FUZZERS=ON -DDIFFATTN_BUILD_TESTS=OFF -DDIFFATTN_BUILD_EXAMPLES=OFF \
   -DDIFFATTN_BUILD_BENCH=OFF -DDIFFATTN_USE_OPENMP=OFF -DDIFFATTN_BUILD_DISPATCH=OFF
 cmake --build build-fuzz -j"$jobs"
@@ -82,4 +118,6 @@ if [ -s build-fuzz/fuzz_failed ]; then
   done
   exit 1
 fi
+stage ""
+[ -n "$launcher" ] && ccache --show-stats | grep -E "Hits|Misses|hit|miss" || true
 echo "== all checks passed in $(($(date +%s) - start)) s (after the dependencies)"

@@ -2,12 +2,14 @@
 # Installs what diffattn needs to build, test and benchmark, by Debian package
 # name. As root it runs apt-get; otherwise it prints the exact line and stops.
 # --test adds what the full check needs: clang and its sanitizer and libFuzzer
-# runtime, OpenMPI for diffattn::mpi's tests (ranks under mpirun), and Python
-# with pybind11, numpy, pytest and PyTorch for the Python module's tests.
+# runtime, OpenMPI for diffattn::mpi's tests (ranks under mpirun), Doxygen for
+# the API reference (its warnings fail the check), ccache, which keeps the
+# check's compiled objects between runs, and Python with pybind11, numpy,
+# pytest and PyTorch for the Python module's tests.
 set -eu
 packages="cmake g++ make libeigen3-dev catch2 libbenchmark-dev"
 if [ "${1:-}" = "--test" ]; then
-  packages="$packages clang libclang-rt-dev libopenmpi-dev openmpi-bin"
+  packages="$packages clang libclang-rt-dev libopenmpi-dev openmpi-bin doxygen ccache"
   packages="$packages python3-dev pybind11-dev python3-numpy python3-pytest python3-torch"
 fi
 

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include <diffattn/diffattn.hpp>
-#include <diffattn/detail/linear.hpp>  // the layers' own projection routine, for the baseline
+#include <diffattn/detail/layers/linear.hpp>  // the layers' own projection routine, for the baseline
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/diffattn.hpp>
 
 #include "progress.hpp"

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include <diffattn/attention.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/diff_weights.hpp>
 #include <diffattn/tensor.hpp>
 

@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/diff_weights.hpp>
 
 #include "png.hpp"

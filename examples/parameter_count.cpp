@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <diffattn/attention.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/module.hpp>
 #include <map>
 #include <string>

@@ -8,7 +8,7 @@
 #include <cstdio>
 
 #include <diffattn/diffattn.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 
 int main() {
   using diffattn::Matrix;

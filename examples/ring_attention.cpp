@@ -22,7 +22,7 @@
 
 #include <diffattn/attention.hpp>
 #include <diffattn/attention_backward.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/mpi.hpp>
 
 using diffattn::AttentionOptions;

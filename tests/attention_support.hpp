@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/tensor.hpp>
 
 namespace test {

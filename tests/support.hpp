@@ -8,7 +8,7 @@
 #include <string>
 
 #include <catch2/catch.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/error.hpp>
 #include <diffattn/matrix.hpp>
 

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
-#include <diffattn/detail/mask.hpp>
+#include <diffattn/detail/kernel/mask.hpp>
 #include <diffattn/diff_weights.hpp>
 
 #include "support.hpp"

@@ -23,12 +23,12 @@
 //
 // bfloat16 q and k in a build for AVX512-BF16 (detail::use_bf16_dot): the
 // tiled path computes S = Q K^T with bf16 dot products on the unscaled
-// queries and scales the scores (detail/bf16_dot.hpp), a float sum of the
+// queries and scales the scores (detail/kernel/bf16_dot.hpp), a float sum of the
 // same exact products in another order. out_S is then no longer bitwise
 // round_S(out_f); like the decoding step it is held to the bound with e_f the
 // float kernel's bound, and lse to the float tolerance.
 //
-// There O = W V runs on bf16 dot products as well (detail/bf16_wv.hpp): each
+// There O = W V runs on bf16 dot products as well (detail/kernel/bf16_wv.hpp): each
 // weight is rounded once to bf16 before the product, which adds at most
 // 2^-8 sum_j |w_ij| |v_jc| =: 2^-8 m_ic to output element (i, c), a sum that
 // can exceed max |y| where the two maps cancel. The bound is then elementwise,
@@ -49,9 +49,9 @@
 #include <catch2/catch.hpp>
 #include <diffattn/isa.hpp>
 #include <diffattn/attention.hpp>
-#include <diffattn/detail/bf16_dot.hpp>
-#include <diffattn/detail/bf16_wv.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/kernel/bf16_dot.hpp>
+#include <diffattn/detail/kernel/bf16_wv.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>

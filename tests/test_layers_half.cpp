@@ -24,7 +24,7 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/io/safetensors.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/types.hpp>

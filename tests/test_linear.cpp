@@ -1,10 +1,10 @@
-// The projections' products (detail/linear.hpp) against float64 loops.
+// The projections' products (detail/layers/linear.hpp) against float64 loops.
 #include <cstring>
 #include <vector>
 
 #include <catch2/catch.hpp>
-#include <diffattn/detail/linear.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/layers/linear.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/types.hpp>
 
 using diffattn::index_t;

@@ -1,7 +1,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/diff_weights.hpp>
 #include <diffattn/io/safetensors.hpp>
 #include <diffattn/module.hpp>

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include <catch2/catch.hpp>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/optim.hpp>
 

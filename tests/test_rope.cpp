@@ -1,6 +1,6 @@
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <diffattn/detail/random.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/rope.hpp>
 #include <vector>
 

@@ -1,7 +1,8 @@
-// The Differential Transformer paper's attention measurements as functions:
-// attention mass on a key span (the needle) versus the rest, the largest
-// attention logits, row entropy, the attention output's RMS per head ("context
-// RMS", DIFF V2), and the output under k-bit quantised logits.
+/// \file
+/// The Differential Transformer paper's attention measurements as functions:
+/// attention mass on a key span (the needle) versus the rest, the largest
+/// attention logits, row entropy, the attention output's RMS per head ("context
+/// RMS", DIFF V2), and the output under k-bit quantised logits.
 #pragma once
 
 #include <algorithm>
@@ -9,16 +10,17 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/analysis_impl.hpp"
-#include "detail/format.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/analysis/analysis_impl.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "error.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup analysis
 /// What to measure. Every statistic is a mean over the measured query rows:
 /// rows [query_begin, query_end) of every batch entry that see at least one key.
 struct AnalysisOptions {
@@ -26,9 +28,11 @@ struct AnalysisOptions {
   /// row counts the part of the span it sees. An empty span (the default) puts
   /// all of a row's mass into context_mass.
   index_t needle_begin = 0;
+  /// One past the needle's last key (see needle_begin).
   index_t needle_end = 0;
   /// Query rows measured; query_end = -1 means N. 0 <= begin <= end <= N.
   index_t query_begin = 0;
+  /// One past the last measured query row; -1 means N (see query_begin).
   index_t query_end = -1;
   /// 0: exact logits. 2..16: before each softmax, the scaled logits x of a row
   /// (its visible keys) are quantised symmetrically per row,
@@ -39,6 +43,7 @@ struct AnalysisOptions {
   int logit_bits = 0;
 };
 
+/// \ingroup analysis
 /// Results per head, from diff_attention_v1_stats, diff_attention_v2_stats or
 /// attention_stats. "Per map" vectors hold heads * maps entries, map m of head
 /// h at index h * maps + m (differential: query head 2h + m; plain: head h).
@@ -133,6 +138,7 @@ template <class T>
 AttentionStats analysis_run_checked(const char* fn, AttentionProblem<T> p, bool want_out,
                                     const AttentionOptions& options,
                                     const AnalysisOptions& analysis) {
+  refuse_score_mods(fn, options);  // the measuring rows know no modifiers
   const AnalysisSpec spec = analysis_spec(fn, p, analysis);
   if (!want_out) p.out = TensorView<T, 4>();
   return run_analysis<AttentionStats>(p, spec, options);

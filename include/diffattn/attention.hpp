@@ -1,10 +1,11 @@
-// Fused multi-head attention kernels: differential V1 and V2, and plain softmax
-// attention. None of them forms an N x M matrix.
+/// \file
+/// Fused multi-head attention kernels: differential V1 and V2, and plain softmax
+/// attention. None of them forms an N x M matrix.
 #pragma once
 
 #include "config.hpp"
-#include "detail/attention_kernel.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/kernel/attention_kernel.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
@@ -152,6 +153,61 @@ void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<co
                const AttentionOptions& options = {}) {
   attention<T>(q, k, v, out, TensorView<compute_t<T>, 3>(), options);
 }
+
+/// \name With a user score functor
+/// The kernels above with a functor `mod` (NoScoreMod in options.hpp lists its
+/// optional members): score(s, b, h, i, j) replaces each score after the
+/// softcap and ALiBi, visible(b, h, i, j) = false masks a pair, h the query
+/// head (2h and 2h + 1 for the maps of DIFF head h), i and j the query and key
+/// within the sequence. The functor is inlined into the kernel, compiled in the
+/// caller's translation unit (also under diffattn::dispatch, which cannot run
+/// a user's type). Each query block's keys are narrowed to those `visible`
+/// leaves it (score_mods.hpp, clamp_rows): whole key ranges that no row of
+/// the block sees cost only the functor's evaluations. Decoding steps run
+/// through the block kernel here. A NaN from score makes its row NaN, as a
+/// NaN input does.
+/// @{
+template <class T, class Mod>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_t<compute_t<T>> lambda, detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
+                       const AttentionOptions& options, const Mod& mod) {
+  const detail::AttentionProblem<T> p =
+      detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options);
+  detail::run_attention(p, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v1(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
+                       const AttentionOptions& options, const Mod& mod) {
+  const detail::AttentionProblem<T> p =
+      detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options);
+  detail::run_attention(p, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v2(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+                       detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse,
+                       const AttentionOptions& options, const Mod& mod) {
+  const detail::AttentionProblem<T> p =
+      detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options);
+  detail::run_attention(p, options, mod);
+}
+template <class T, class Mod>
+void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+               detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<T, 4> out,
+               detail::nondeduced_view<compute_t<T>, 3> lse, const AttentionOptions& options,
+               const Mod& mod) {
+  const detail::AttentionProblem<T> p = detail::validate_plain<T>(q, k, v, out, lse, options);
+  detail::run_attention(p, options, mod);
+}
+/// @}
 
 /// @}
 

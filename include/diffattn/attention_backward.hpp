@@ -1,11 +1,12 @@
-// Backward pass of the fused kernels: gradients of q, k, v and lambda from the
-// forward's saved log-sum-exp, with no N x M buffer.
+/// \file
+/// Backward pass of the fused kernels: gradients of q, k, v and lambda from the
+/// forward's saved log-sum-exp, with no N x M buffer.
 #pragma once
 
 #include "config.hpp"
-#include "detail/attention_backward.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/backward/attention_backward.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
@@ -23,6 +24,11 @@ DIFFATTN_BEGIN_NAMESPACE
 /// it. Threads run over (batch, kv group), so results are bitwise identical
 /// for any thread count. Checks and errors as in the forward kernels; no
 /// gradient may overlap an input or another gradient.
+///
+/// Score modifiers (options.softcap, alibi_slopes, sinks) must be those of the
+/// forward call. The last argument, dsinks (Hq), optional, receives the
+/// gradient of options.sinks summed over batch and rows (an empty view, the
+/// default: not computed; a non-empty one needs options.sinks).
 /// @{
 
 /// Backward of diff_attention_v1 with one lambda for the layer; dlambda is
@@ -34,14 +40,15 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::run_attention_backward(
-      detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                             TensorView<T, 1>(&dlambda, {1}), options),
-      options);
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+                             TensorView<T, 1>(&dlambda, {1}), options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options);
 }
 
 /// Backward of diff_attention_v1 with one lambda per DIFF head: dlambda (H).
@@ -52,13 +59,15 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {}) {
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::run_attention_backward(detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
-                                                        dq, dk, dv, dlambda, options),
-                                 options);
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
+                                                        dq, dk, dv, dlambda, options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options);
 }
 
 /// Backward of diff_attention_v2; dlambda_logit (B, N, H) is the gradient of
@@ -70,13 +79,15 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {}) {
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v2_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::run_attention_backward(detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
-                                                        dk, dv, dlambda_logit, options),
-                                 options);
+  detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
+                                                        dk, dv, dlambda_logit, options);
+  detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options);
 }
 
 /// Backward of the plain attention.
@@ -88,13 +99,84 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const compute_t<T>, 3> lse,
                         detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-                        const AttentionOptions& options = {}) {
+                        const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   static_assert(!is_half_storage_v<T>,
                 "attention_backward: no 16-bit storage; compute "
                 "gradients in float, on float copies of the inputs");
-  detail::run_attention_backward(
-      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options), options);
+  detail::BackwardProblem<T> bp = detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
+  detail::attach_dsinks("attention_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options);
 }
+
+/// \name With a user score functor
+/// The backward kernels above with the forward's functor `mod`; one with
+/// `score` must define `dscore` (d score / d s, s the score it was given),
+/// else the call does not compile. The backward evaluates the functor on
+/// every pair of each block's band (no narrowing by `visible`).
+/// @{
+template <class T, class Mod>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
+      q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv, TensorView<T, 1>(&dlambda, {1}),
+      options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v1_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
+                                                        dq, dk, dv, dlambda, options);
+  detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void diff_attention_v2_backward(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "diff_attention_v2_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
+                                                        dk, dv, dlambda_logit, options);
+  detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+template <class T, class Mod>
+void attention_backward(detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const compute_t<T>, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
+                        const Mod& mod) {
+  static_assert(!is_half_storage_v<T>, "attention_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp =
+      detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
+  detail::attach_dsinks("attention_backward", bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+/// @}
 
 /// @}
 

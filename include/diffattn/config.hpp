@@ -1,33 +1,42 @@
-// diffattn: version, namespace and the index type.
+/// \file
+/// diffattn: version, namespace and the index type.
 #pragma once
 
 #include <cstddef>
 
+/// \addtogroup basics
+/// @{
+
+/// Major version: incompatible API changes.
 #define DIFFATTN_VERSION_MAJOR 0
+/// Minor version: compatible additions.
 #define DIFFATTN_VERSION_MINOR 1
+/// Patch version: fixes.
 #define DIFFATTN_VERSION_PATCH 0
 /// Single number for preprocessor comparisons: major * 10000 + minor * 100 + patch.
 #define DIFFATTN_VERSION \
   (DIFFATTN_VERSION_MAJOR * 10000 + DIFFATTN_VERSION_MINOR * 100 + DIFFATTN_VERSION_PATCH)
 
-// Everything lives in the versioned inline namespace diffattn::v0: objects built
-// against two incompatible versions fail to link instead of misbehaving.
-// DIFFATTN_INLINE_NAMESPACE renames it for one translation unit, so that builds
-// of the headers with different flags can sit side by side in one program
-// (bench_dispatch compares them in one process); everything else keeps v0.
+/// The versioned inline namespace everything lives in, diffattn::v0: objects built
+/// against two incompatible versions fail to link instead of misbehaving.
+/// Defining DIFFATTN_INLINE_NAMESPACE renames it for one translation unit, so that builds
+/// of the headers with different flags can sit side by side in one program
+/// (bench_dispatch compares them in one process); everything else keeps v0.
 #ifndef DIFFATTN_INLINE_NAMESPACE
 #define DIFFATTN_INLINE_NAMESPACE v0
 #endif
+/// Opens namespace diffattn and its inline namespace (the headers' own use).
 #define DIFFATTN_BEGIN_NAMESPACE \
   namespace diffattn {           \
   inline namespace DIFFATTN_INLINE_NAMESPACE {
+/// Closes what DIFFATTN_BEGIN_NAMESPACE opened.
 #define DIFFATTN_END_NAMESPACE \
   }                            \
   }
 
-// Internal invariants (never argument checks: those throw diffattn::error).
-// Tests may define DIFFATTN_ASSERT before the first include to turn a failure
-// into an exception.
+/// Checks internal invariants (never argument checks: those throw diffattn::error);
+/// assert() unless defined before the first include (tests define it to turn
+/// a failure into an exception).
 #ifndef DIFFATTN_ASSERT
 #include <cassert>
 #define DIFFATTN_ASSERT(cond) assert(cond)
@@ -35,7 +44,10 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup basics
 /// Signed 64-bit (on 64-bit targets) index for every extent, stride and offset.
 using index_t = std::ptrdiff_t;
 
 DIFFATTN_END_NAMESPACE
+
+/// @}

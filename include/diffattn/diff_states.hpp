@@ -1,16 +1,17 @@
-// Per-map softmax states of the differential kernels: each map of V1 and V2 is
-// a plain softmax map whose (o, lse) state the plain kernel gives on head-
-// strided views, so split-KV and context parallelism merge them with
-// merge_states and subtract lambda once, after the last merge.
+/// \file
+/// Per-map softmax states of the differential kernels: each map of V1 and V2 is
+/// a plain softmax map whose (o, lse) state the plain kernel gives on head-
+/// strided views, so split-KV and context parallelism merge them with
+/// merge_states and subtract lambda once, after the last merge.
 #pragma once
 
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/parallel.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/parallel.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "lambda.hpp"
 #include "tensor.hpp"
 

@@ -1,18 +1,22 @@
-// The materialised single-head differential attention map W = A1 - lambda A2.
+/// \file
+/// The materialised single-head differential attention map W = A1 - lambda A2.
 #pragma once
 
 #include <cmath>
 #include <limits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/mask.hpp"
-#include "detail/traits.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/kernel/mask.hpp"
 #include "matrix.hpp"
 #include "options.hpp"
 #include "softmax.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup materialised
+/// @{
 
 namespace detail {
 template <class T>
@@ -85,5 +89,7 @@ Matrix<T> diff_weights(const detail::nondeduced_t<detail::MatrixRef<T>>& q1,
   const Matrix<T> a2 = softmax(detail::masked_scores<T>(q2, k2, scale, band), lse2);
   return a1 - lambda * a2;
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

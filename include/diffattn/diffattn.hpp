@@ -1,4 +1,5 @@
-// diffattn: header-only differential attention. One include for everything.
+/// \file
+/// diffattn: header-only differential attention. One include for everything.
 #pragma once
 
 #include "analysis.hpp"
@@ -18,9 +19,9 @@
 #include "module.hpp"
 #include "norm.hpp"
 #include "optim.hpp"
+#include "options.hpp"
 #include "packed.hpp"
 #include "quantize.hpp"
-#include "options.hpp"
 #include "reference.hpp"
 #include "rope.hpp"
 #include "softmax.hpp"

@@ -1,4 +1,5 @@
-// diffattn::error, the one exception type thrown at the public boundary.
+/// \file
+/// diffattn::error, the one exception type thrown at the public boundary.
 #pragma once
 
 #include <stdexcept>
@@ -8,6 +9,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup basics
+/// @{
+
 /// Thrown for every invalid argument (shapes, strides, aliasing, non-finite
 /// scalars) and for unreadable or malformed files. The message names the
 /// function, the argument and the shapes involved, e.g.
@@ -16,5 +20,7 @@ class error : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,5 +1,6 @@
-// float8_e4m3: the 8-bit floating-point storage type of the 8-bit KV caches
-// (OCP 8-bit floating point, E4M3FN), and the traits of 8-bit cache storage.
+/// \file
+/// float8_e4m3: the 8-bit floating-point storage type of the 8-bit KV caches
+/// (OCP 8-bit floating point, E4M3FN), and the traits of 8-bit cache storage.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,9 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \addtogroup storage
+/// @{
+
 /// OCP E4M3FN: 1 sign bit, 4 exponent bits (bias 7), 3 significand bits.
 /// Largest finite 448, smallest normal 2^-6, subnormals down to 2^-9; no
 /// infinities; NaN is 0x7F / 0xFF. Relative rounding 2^-4 for normal values.
@@ -20,10 +24,14 @@ DIFFATTN_BEGIN_NAMESPACE
 /// (infinities too) becomes +-448; NaN becomes NaN (0x7F, sign kept).
 /// static_cast<float>(f) is exact. `value` holds the bits.
 struct float8_e4m3 {
+  /// The bits: sign, exponent, significand.
   std::uint8_t value = 0;
 
+  /// Zero.
   float8_e4m3() = default;
+  /// x rounded to nearest even, saturating at +-448 (NaN stays NaN).
   explicit float8_e4m3(float x) noexcept : value(from_float(x)) {}
+  /// The value as a float, exactly.
   explicit operator float() const noexcept { return to_float(value); }
 
   /// The float of the bits b, exactly.
@@ -77,6 +85,7 @@ template <class T>
 struct is_8bit_storage
     : std::integral_constant<bool, std::is_same<std::remove_cv_t<T>, std::int8_t>::value ||
                                        std::is_same<std::remove_cv_t<T>, float8_e4m3>::value> {};
+/// is_8bit_storage<T>::value.
 template <class T>
 constexpr bool is_8bit_storage_v = is_8bit_storage<T>::value;
 
@@ -87,5 +96,7 @@ constexpr float quant_max() noexcept {
   static_assert(is_8bit_storage_v<S>, "quant_max: std::int8_t or float8_e4m3");
   return std::is_same<std::remove_cv_t<S>, std::int8_t>::value ? 127.0f : 448.0f;
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,13 +1,14 @@
-// Which instruction-set variant runs the kernels: the flags of the including
-// translation unit (header-only), or the variant diffattn::dispatch selects
-// for this CPU at run time.
+/// \file
+/// Which instruction-set variant runs the kernels: the flags of the including
+/// translation unit (header-only), or the variant diffattn::dispatch selects
+/// for this CPU at run time.
 #pragma once
 
 #include <string_view>
 #include <vector>
 
 #include "config.hpp"
-#include "detail/dispatch.hpp"
+#include "detail/kernel/dispatch.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
@@ -23,7 +24,7 @@ DIFFATTN_BEGIN_NAMESPACE
 /// (x86-64-v2), "avx2" (x86-64-v3: AVX2, FMA, F16C), "avx512" (x86-64-v4: F,
 /// BW, CD, DQ, VL) and "avx512bf16" (x86-64-v4 with AVX512-BF16 and
 /// AVX512-VNNI). The choice is made once, at the first kernel call; the
-/// environment variable DIFFATTN_ISA=<name> forces a variant, and a variant
+/// environment variable `DIFFATTN_ISA=<name>` forces a variant, and a variant
 /// the CPU lacks, or a name not compiled in, is refused with diffattn::error
 /// at that call. Every translation unit of a program that includes diffattn
 /// must agree on DIFFATTN_DISPATCH (the target sets it for all of them). Not

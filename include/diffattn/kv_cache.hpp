@@ -1,5 +1,6 @@
-// The KV cache of a layer: keys (after rotary) and values of the tokens seen
-// so far, for a batch of sequences that advance together.
+/// \file
+/// The KV cache of a layer: keys (after rotary) and values of the tokens seen
+/// so far, for a batch of sequences that advance together.
 #pragma once
 
 #include <algorithm>
@@ -7,12 +8,13 @@
 #include <cstring>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "float8.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup decoding
 /// Keys and values of the tokens a layer has seen, for B sequences decoded in
 /// step: keys (B, rows, Hk, dk) after rotary, values (B, rows, Hv, dv), in the
 /// layer's own head layout (V1: 2Hkv key heads of d and Hkv value heads of
@@ -42,6 +44,7 @@ class KVCache {
   /// True for an 8-bit cache, which holds scales beside its rows.
   static constexpr bool quantized = is_8bit_storage_v<T>;
 
+  /// An empty cache: batch 0, capacity 0.
   KVCache() = default;
 
   /// A cache for `batch` sequences of at most `capacity` tokens with
@@ -67,6 +70,7 @@ class KVCache {
     }
   }
 
+  /// Sequences B.
   index_t batch() const noexcept { return batch_; }
   /// Tokens seen: the position of the next token.
   index_t size() const noexcept { return size_; }
@@ -87,10 +91,12 @@ class KVCache {
   /// The held keys (B, stored(), Hk, dk) and values (B, stored(), Hv, dv),
   /// oldest first.
   TensorView<const T, 4> keys() const { return rows_of(k_, start_, stored()); }
+  /// The held values (B, stored(), Hv, dv), oldest first.
   TensorView<const T, 4> values() const { return rows_of(v_, start_, stored()); }
   /// 8-bit caches: the scales of the held keys (B, stored(), Hk) and values
   /// (B, stored(), Hv); empty views for other caches.
   TensorView<const float, 3> key_scales() const { return scales_of(ks_, start_, stored()); }
+  /// 8-bit caches: the scales of the held values (B, stored(), Hv).
   TensorView<const float, 3> value_scales() const { return scales_of(vs_, start_, stored()); }
 
   /// Most tokens one reserve() may take: everything up to capacity, or with
@@ -128,6 +134,7 @@ class KVCache {
     check_rows("KVCache::key_rows", row, n);
     return rows_of(k_, row, n);
   }
+  /// Writable value rows [row, row + n), (B, n, Hv, dv), as key_rows.
   TensorView<T, 4> value_rows(index_t row, index_t n) {
     check_rows("KVCache::value_rows", row, n);
     return rows_of(v_, row, n);
@@ -138,6 +145,7 @@ class KVCache {
     check_rows("KVCache::key_scale_rows", row, n);
     return scales_of(ks_, row, n);
   }
+  /// 8-bit caches: writable value scales of rows [row, row + n), (B, n, Hv).
   TensorView<float, 3> value_scale_rows(index_t row, index_t n) {
     check_rows("KVCache::value_scale_rows", row, n);
     return scales_of(vs_, row, n);
@@ -148,6 +156,7 @@ class KVCache {
     check_reserved("KVCache::keys_with", n);
     return rows_of(k_, start_, stored() + n);
   }
+  /// Values of the held rows and the n reserved ones, as keys_with(n).
   TensorView<const T, 4> values_with(index_t n) const {
     check_reserved("KVCache::values_with", n);
     return rows_of(v_, start_, stored() + n);
@@ -157,6 +166,7 @@ class KVCache {
     check_reserved("KVCache::key_scales_with", n);
     return scales_of(ks_, start_, stored() + n);
   }
+  /// 8-bit caches: the scales of values_with(n).
   TensorView<const float, 3> value_scales_with(index_t n) const {
     check_reserved("KVCache::value_scales_with", n);
     return scales_of(vs_, start_, stored() + n);
@@ -171,10 +181,14 @@ class KVCache {
     if (keep_ >= 0 && stored() > keep_) start_ = end_ - keep_;
   }
 
-  /// Shape of one token's keys (heads, width) and values, for layout checks.
+  /// Shape of one token's keys (heads, width) and values, for layout checks:
+  /// key heads Hk.
   index_t key_heads() const noexcept { return k_.shape(2); }
+  /// Key width dk.
   index_t key_dim() const noexcept { return k_.shape(3); }
+  /// Value heads Hv.
   index_t value_heads() const noexcept { return v_.shape(2); }
+  /// Value width dv.
   index_t value_dim() const noexcept { return v_.shape(3); }
 
  private:

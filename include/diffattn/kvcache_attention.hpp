@@ -1,21 +1,23 @@
-// Fused kernels over a batch of KV caches: per-sequence key lengths
-// (FlashAttention's flash_attn_with_kvcache / cache_seqlens) and paged caches
-// (vLLM's block tables), for decoding and for prefill chunks against a cache.
+/// \file
+/// Fused kernels over a batch of KV caches: per-sequence key lengths
+/// (FlashAttention's flash_attn_with_kvcache / cache_seqlens) and paged caches
+/// (vLLM's block tables), for decoding and for prefill chunks against a cache.
 #pragma once
 
 #include "attention.hpp"
 #include "config.hpp"
-#include "detail/attention_kernel.hpp"
-#include "detail/format.hpp"
-#include "detail/tile.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/kernel/attention_kernel.hpp"
+#include "detail/kernel/tile.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup kvcache
 /// The caches of a batch of B sequences, as the *_kvcache kernels read them.
 ///
 /// Contiguous caches (block_table empty): k_cache (B, capacity, Hk, d) and
@@ -50,6 +52,7 @@ struct KVCacheBatch {
   /// block pools for paged ones (any strides). Row x = scale * stored value;
   /// every scale the kernel reads must be finite and >= 0.
   TensorView<const float, 3> k_scale;
+  /// 8-bit caches: the scales of v_cache's rows, as k_scale.
   TensorView<const float, 3> v_scale;
 };
 

@@ -1,13 +1,17 @@
-// The differential weight lambda: depth schedule, V1 re-parameterisation, V2 sigmoid.
+/// \file
+/// The differential weight lambda: depth schedule, V1 re-parameterisation, V2 sigmoid.
 #pragma once
 
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Initial lambda of the layer at 0-based `depth` (the paper's layer l, counted
 /// from 1, has depth l - 1): 0.8 - 0.6 * exp(-0.3 * depth). Starts at 0.2 for
@@ -31,9 +35,13 @@ inline double dot1(const TensorView<const T, 1>& a, const TensorView<const T, 1>
 /// The two exponentials of V1's lambda, kept for the backward pass:
 /// lambda_full = e1 - e2 + lambda_init.
 struct LambdaTerms {
+  /// exp(lambda_q1 . lambda_k1).
   double e1 = 0;  // exp(lambda_q1 . lambda_k1)
+  /// exp(lambda_q2 . lambda_k2).
   double e2 = 0;  // exp(lambda_q2 . lambda_k2)
+  /// lambda_init of the layer.
   double init = 0;
+  /// lambda_full = e1 - e2 + init.
   double value() const { return e1 - e2 + init; }
 };
 
@@ -84,5 +92,7 @@ inline T lambda_sigmoid(T logit) {
   const T e = std::exp(logit);
   return e / (T(1) + e);
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

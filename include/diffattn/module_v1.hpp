@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV1: the differential attention layer with split heads
-// (Ye et al., ICLR 2025), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV1: the differential attention layer with split heads
+/// (Ye et al., ICLR 2025), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>
@@ -12,10 +13,10 @@
 #include "attention.hpp"
 #include "attention_backward.hpp"
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/module_base.hpp"
-#include "detail/module_common.hpp"
-#include "detail/random.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/random.hpp"
+#include "detail/layers/module_base.hpp"
+#include "detail/layers/module_common.hpp"
 #include "diff_weights.hpp"
 #include "kvcache_attention.hpp"
 #include "lambda.hpp"
@@ -28,6 +29,9 @@
 #include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Configuration of MultiheadDiffAttnV1.
 ///
@@ -48,12 +52,19 @@ struct DiffAttnV1Config {
   /// limit): a causal layer whose tokens see the last W tokens, themselves
   /// included, uses window_left = W - 1.
   index_t window_left = -1;
+  /// See window_left.
   index_t window_right = -1;
   /// d, the width of one query/key half (DiffLlama's head_dim); 0 means
   /// E / (2H).
   index_t head_dim = 0;
   /// Epsilon of the per-head RMSNorm (DiffLlama's rms_norm_eps).
   double norm_eps = 1e-5;
+  /// Score modifiers, as DiffAttnV2Config's: softcap (0: none), ALiBi with
+  /// standard_alibi_slopes(2H) (both maps' query heads), learned sinks, the
+  /// parameter `sinks` (2H), initialised to 0.
+  float softcap = 0;
+  bool alibi = false;
+  bool sinks = false;
 };
 
 /// Order of the rows of q_proj / k_proj / v_proj in a checkpoint.
@@ -90,6 +101,8 @@ enum class WeightLayout {
 /// reference's state_dict names and shapes (nn.Linear weights are
 /// (out_features, in_features)); T is float or double, or bfloat16 / half for
 /// inference (see value_type and compute_type in detail::ModuleBase).
+/// forward, backward, parameters, make_cache and the other members both layers
+/// share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T> {
   using C = compute_t<T>;
@@ -98,6 +111,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// The configuration type, DiffAttnV1Config.
   using config_type = DiffAttnV1Config;
 
   /// Builds the layer and initialises it as the reference does, deterministically
@@ -163,7 +177,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   /// the cache is full, was made for another layer or another batch size. A
   /// 16-bit cache (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is
   /// read by the kernel in compute_type, the new keys and values rounded to S
-  /// when appended; an 8-bit one (make_cache<std::int8_t>, <float8_e4m3>)
+  /// when appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
   /// gets them quantized per row with their scales, and a non-finite key or
   /// value throws, changing nothing.
   template <class S>
@@ -210,6 +224,8 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
       this->fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
     const index_t b = x.shape(0), n = x.shape(1);
     Tensor<C, 4> q, k, v;
+    if (mods_.any(cfg_.sinks))
+      this->fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
     project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
     const C lambda = lambda_full();
     Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
@@ -286,7 +302,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
         lambda_k1_({d_}),
         lambda_q2_({d_}),
         lambda_k2_({d_}),
-        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}) {}
+        subln_weight_({cfg_.norm_affine ? 2 * d_ : 0}),
+        sinks_({cfg_.sinks ? 2 * cfg_.num_heads : 0}),
+        mods_(cfg_.softcap, cfg_.alibi, 2 * cfg_.num_heads) {
+    std::fill(sinks_.data(), sinks_.data() + sinks_.size(), T(0));
+  }
 
   // Backward once ModuleBase::backward has checked dy against the kept state.
   Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
@@ -307,6 +327,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
 
     Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
     T dlambda = 0;
+    Tensor<T, 1> dsinks({cfg_.sinks ? 2 * h : 0});  // (2H) or (0): no sinks
     const T lambda = static_cast<T>(saved_.lambda.value());
     if (saved_.packed) {
       using detail::drop_batch;
@@ -314,11 +335,13 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
           drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
           lambda, drop_batch(saved_.attn.cview()), drop_batch(saved_.lse.cview()),
           drop_batch(dattn.cview()), drop_batch(dq.view()), drop_batch(dk.view()),
-          drop_batch(dv.view()), dlambda, saved_.seqs, options());
+          drop_batch(dv.view()), dlambda, saved_.seqs, options(), dsinks.view());
     } else {
       diff_attention_v1_backward<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn, saved_.lse,
-                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options());
+                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options(),
+                                    dsinks.view());
     }
+    if (cfg_.sinks) detail::module_add(grads_.at("sinks"), dsinks.data(), 2 * h);
     // lambda_full = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
     const double g1 = static_cast<double>(dlambda) * saved_.lambda.e1;
     const double g2 = -static_cast<double>(dlambda) * saved_.lambda.e2;
@@ -436,6 +459,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
     detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
+    detail::module_check_softcap(fn, c.softcap);
     return c;
   }
 
@@ -460,7 +484,10 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   }
 
   AttentionOptions options() const {
-    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    AttentionOptions o =
+        detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    mods_.apply(o, cfg_.sinks ? sinks_.data() : static_cast<const T*>(nullptr), sinks_.size());
+    return o;
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }
@@ -494,6 +521,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
         {"lambda_k2", {d}, vptr(&MultiheadDiffAttnV1::lambda_k2_)}};
     if (c.norm_affine)
       l.push_back({"subln.weight", {2 * d}, vptr(&MultiheadDiffAttnV1::subln_weight_)});
+    if (c.sinks) l.push_back({"sinks", {2 * c.num_heads}, vptr(&MultiheadDiffAttnV1::sinks_)});
     return l;
   }
 
@@ -506,7 +534,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   Tensor<T, 2> out_proj_;                                       // (E, 2H d)
   Tensor<T, 1> lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_;  // (d)
   Tensor<T, 1> subln_weight_;                                   // (2d), or (0) without norm_affine
+  Tensor<T, 1> sinks_;                                          // (2H) learned sinks, or (0)
+  detail::ModuleMods mods_;
   Saved saved_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,5 +1,6 @@
-// MultiheadDiffAttnV2: the differential attention layer with doubled query
-// heads (DIFF V2), with reference-compatible parameters.
+/// \file
+/// MultiheadDiffAttnV2: the differential attention layer with doubled query
+/// heads (DIFF V2), with reference-compatible parameters.
 #pragma once
 
 #include <cmath>
@@ -12,10 +13,10 @@
 #include "attention.hpp"
 #include "attention_backward.hpp"
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/module_base.hpp"
-#include "detail/module_common.hpp"
-#include "detail/random.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/random.hpp"
+#include "detail/layers/module_base.hpp"
+#include "detail/layers/module_common.hpp"
 #include "diff_weights.hpp"
 #include "kvcache_attention.hpp"
 #include "lambda.hpp"
@@ -28,6 +29,9 @@
 #include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Configuration of MultiheadDiffAttnV2.
 ///
@@ -43,7 +47,15 @@ struct DiffAttnV2Config {
   double rope_base = 10000;  ///< rotary base theta
   /// Sliding window, as in DiffAttnV1Config.
   index_t window_left = -1;
+  /// See window_left.
   index_t window_right = -1;
+  /// Score modifiers (AttentionOptions): soft-capping (0: none); ALiBi with
+  /// standard_alibi_slopes(2H), one slope per query head, so both maps of a
+  /// DIFF head are covered (usually with rope = false); learned attention
+  /// sinks, the parameter `sinks` (2H), initialised to 0.
+  float softcap = 0;
+  bool alibi = false;
+  bool sinks = false;
 };
 
 /// Differential attention layer, V2 (doubled query heads):
@@ -59,7 +71,8 @@ struct DiffAttnV2Config {
 /// and, through the sigmoid, the lambda logits into lambda_proj.weight and x),
 /// the inverse rotary rotation and the projections.
 /// T is float or double, or bfloat16 / half for inference, as for
-/// MultiheadDiffAttnV1.
+/// MultiheadDiffAttnV1. forward, backward, parameters, make_cache and the
+/// other members both layers share are listed in \ref layers.
 template <class T>
 class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T> {
   using C = compute_t<T>;
@@ -68,6 +81,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
+  /// The configuration type, DiffAttnV2Config.
   using config_type = DiffAttnV2Config;
 
   /// Builds the layer with nn.Linear's default initialisation for all five
@@ -147,6 +161,8 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
     const index_t b = x.shape(0), n = x.shape(1);
     Tensor<C, 4> q, k, v;
     Tensor<C, 3> logit;
+    if (mods_.any(cfg_.sinks))
+      this->fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
     project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v, logit);
     Tensor<C, 4> w({b, h, n, n});                     // (B, H, N, N)
     const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
@@ -171,11 +187,13 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
       const DiffAttnV2Config& config) {
     const DiffAttnV2Config c = checked(config);
     const index_t e = c.embed_dim, h = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
-    return {{"q_proj.weight", {2 * h * hd, e}},
-            {"k_proj.weight", {hkv * hd, e}},
-            {"v_proj.weight", {hkv * hd, e}},
-            {"o_proj.weight", {e, h * hd}},
-            {"lambda_proj.weight", {h, e}}};
+    std::map<std::string, std::vector<index_t>> shapes = {{"q_proj.weight", {2 * h * hd, e}},
+                                                         {"k_proj.weight", {hkv * hd, e}},
+                                                         {"v_proj.weight", {hkv * hd, e}},
+                                                         {"o_proj.weight", {e, h * hd}},
+                                                         {"lambda_proj.weight", {h, e}}};
+    if (c.sinks) shapes["sinks"] = {2 * h};
+    return shapes;
   }
 
   /// Loads every parameter from prefix + name; same rules, conversions (a
@@ -207,7 +225,11 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
         k_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         v_proj_({cfg_.num_kv_heads * cfg_.head_dim, cfg_.embed_dim}),
         o_proj_({cfg_.embed_dim, cfg_.num_heads * cfg_.head_dim}),
-        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}) {}
+        lambda_proj_({cfg_.num_heads, cfg_.embed_dim}),
+        sinks_({cfg_.sinks ? 2 * cfg_.num_heads : 0}),
+        mods_(cfg_.softcap, cfg_.alibi, 2 * cfg_.num_heads) {
+    std::fill(sinks_.data(), sinks_.data() + sinks_.size(), T(0));
+  }
 
   // Backward once ModuleBase::backward has checked dy against the kept state.
   Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
@@ -222,6 +244,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
                                    grads_.at("o_proj.weight"), dattn.data(), false, num_threads_);
     Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
     Tensor<T, 3> dlogit({b, n, h});  // (B, N, H)
+    Tensor<T, 1> dsinks({cfg_.sinks ? 2 * h : 0});  // (2H) or (0): no sinks
     if (saved_.packed) {
       using detail::drop_batch;
       diff_attention_v2_varlen_backward<T>(
@@ -229,12 +252,13 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
           drop_batch(saved_.lambda_logit.cview()), drop_batch(saved_.attn.cview()),
           drop_batch(saved_.lse.cview()), drop_batch(dattn.cview()), drop_batch(dq.view()),
           drop_batch(dk.view()), drop_batch(dv.view()), drop_batch(dlogit.view()), saved_.seqs,
-          options());
+          options(), dsinks.view());
     } else {
       diff_attention_v2_backward<T>(saved_.q, saved_.k, saved_.v, saved_.lambda_logit, saved_.attn,
                                     saved_.lse, dattn, dq.view(), dk.view(), dv.view(),
-                                    dlogit.view(), options());
+                                    dlogit.view(), options(), dsinks.view());
     }
+    if (cfg_.sinks) detail::module_add(grads_.at("sinks"), dsinks.data(), 2 * h);
     // A rotation is orthogonal: its gradient is the inverse rotation.
     if (cfg_.rope) {
       const auto* cu = saved_.packed ? &saved_.seqs.cu_seqlens_q : nullptr;
@@ -327,11 +351,15 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
     if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
       detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
     detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
+    detail::module_check_softcap(fn, c.softcap);
     return c;
   }
 
   AttentionOptions options() const {
-    return detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    AttentionOptions o =
+        detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
+    mods_.apply(o, cfg_.sinks ? sinks_.data() : static_cast<const T*>(nullptr), sinks_.size());
+    return o;
   }
 
   // q (B, N, 2H, hd) and k (B, N, Hkv, hd) after rope, v (B, N, Hkv, hd) and
@@ -369,7 +397,8 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
                                                {"k_proj.weight", self->k_proj_.data()},
                                                {"v_proj.weight", self->v_proj_.data()},
                                                {"o_proj.weight", self->o_proj_.data()},
-                                               {"lambda_proj.weight", self->lambda_proj_.data()}};
+                                               {"lambda_proj.weight", self->lambda_proj_.data()},
+                                               {"sinks", self->sinks_.data()}};
     std::vector<detail::ModuleParam<P>> l;
     for (const auto& kv : parameter_shapes(self->cfg_))
       l.push_back({kv.first, kv.second, storage.at(kv.first)});
@@ -382,7 +411,11 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   Tensor<T, 2> v_proj_;           // (Hkv * hd, E)
   Tensor<T, 2> o_proj_;           // (E, H * hd)
   Tensor<T, 2> lambda_proj_;  // (H, E)
+  Tensor<T, 1> sinks_;        // (2H) learned sinks, or (0)
+  detail::ModuleMods mods_;
   Saved saved_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,7 +1,8 @@
-// Context parallelism over MPI (ring attention): one sequence split across the
-// ranks of a communicator, forward and backward. CMake target diffattn::mpi,
-// present when find_package(MPI COMPONENTS CXX) succeeds; the rest of the
-// library never includes MPI.
+/// \file
+/// Context parallelism over MPI (ring attention): one sequence split across the
+/// ranks of a communicator, forward and backward. CMake target diffattn::mpi,
+/// present when find_package(MPI COMPONENTS CXX) succeeds; the rest of the
+/// library never includes MPI.
 #pragma once
 
 #include <mpi.h>
@@ -16,9 +17,9 @@
 #include "attention.hpp"
 #include "attention_backward.hpp"
 #include "config.hpp"
-#include "detail/mpi_driver.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/mpi/mpi_driver.hpp"
 #include "lambda.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
@@ -64,7 +65,7 @@ namespace mpi {
 /// MPI_ERRORS_RETURN). A communicator of one rank is the single-process case.
 /// Storage: float or double.
 /// Sharding and RingStats (the sharding of a call, and what a call did on
-/// the calling rank) are defined with the drivers in detail/mpi_driver.hpp.
+/// the calling rank) are defined with the drivers in detail/mpi/mpi_driver.hpp.
 /// @{
 
 /// Differential attention V1 (Ye et al., ICLR 2025) over a sequence sharded

@@ -1,4 +1,5 @@
-// RMSNorm over the last dimension: the per-head normalisation of DIFF V1 ("subln").
+/// \file
+/// RMSNorm over the last dimension: the per-head normalisation of DIFF V1 ("subln").
 #pragma once
 
 #include <cmath>
@@ -8,11 +9,14 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/traits.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Root-mean-square normalisation of every row along the last dimension:
 ///
@@ -167,5 +171,7 @@ void rms_norm_backward(detail::nondeduced_view<const T, R> x,
   }
   for (index_t j = 0; want_dw && j < dim; ++j) dweight(j) = static_cast<T>(dw[j]);
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,5 +1,6 @@
-// Optimizers over named parameters: SGD (with momentum) and AdamW, updating in
-// place the views a layer's parameters() returns from the gradients() it keeps.
+/// \file
+/// Optimizers over named parameters: SGD (with momentum) and AdamW, updating in
+/// place the views a layer's parameters() returns from the gradients() it keeps.
 #pragma once
 
 #include <cmath>
@@ -10,10 +11,13 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Named parameters or gradients: flattened 1-D views keyed by name, as
 /// MultiheadDiffAttnV1::parameters() and gradients() return them. Any of the
@@ -123,6 +127,7 @@ class SGD {
     momentum_.clear();
     started_.clear();
   }
+  /// The options the optimizer was made with (lr as last set).
   const SGDOptions& options() const noexcept { return opt_; }
   /// Changes the learning rate (schedules); throws if not finite and > 0.
   void set_lr(double lr) {
@@ -212,6 +217,7 @@ class AdamW {
     const auto it = steps_.find(name);
     return it == steps_.end() ? 0 : it->second;
   }
+  /// The options the optimizer was made with (lr as last set).
   const AdamWOptions& options() const noexcept { return opt_; }
   /// Changes the learning rate (schedules); throws if not finite and > 0.
   void set_lr(double lr) {
@@ -224,5 +230,7 @@ class AdamW {
   std::map<std::string, std::vector<double>> m_, v_;
   std::map<std::string, long long> steps_;
 };
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

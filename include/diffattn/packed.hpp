@@ -1,5 +1,6 @@
-// Packed variable-length batches: several sequences concatenated along the
-// token axis, each attending only to itself (FlashAttention's varlen layout).
+/// \file
+/// Packed variable-length batches: several sequences concatenated along the
+/// token axis, each attending only to itself (FlashAttention's varlen layout).
 #pragma once
 
 #include <vector>
@@ -7,15 +8,16 @@
 #include "attention.hpp"
 #include "attention_backward.hpp"
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 
+/// \ingroup packed
 /// The sequences of a packed batch, by cumulative offsets (FlashAttention's
 /// cu_seqlens_q / cu_seqlens_k): sequence s owns query rows
 /// [cu_seqlens_q[s], cu_seqlens_q[s + 1]) and key/value rows
@@ -145,7 +147,8 @@ void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv, T& dlambda,
-    const PackedSequences& seqs, const AttentionOptions& options = {}) {
+    const PackedSequences& seqs, const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
@@ -156,6 +159,7 @@ void diff_attention_v1_varlen_backward(
                              detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
                              detail::as_batch1(dv), TensorView<T, 1>(&dlambda, {1}), options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
 
@@ -168,7 +172,8 @@ void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 1> dlambda, const PackedSequences& seqs,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
@@ -178,6 +183,7 @@ void diff_attention_v1_varlen_backward(
       detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
       detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv), dlambda, options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
 
@@ -190,7 +196,8 @@ void diff_attention_v2_varlen_backward(
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 2> dlambda_logit, const PackedSequences& seqs,
-    const AttentionOptions& options = {}) {
+    const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v2_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "diff_attention_v2_varlen_backward: no 16-bit storage; compute "
@@ -201,6 +208,7 @@ void diff_attention_v2_varlen_backward(
       detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv),
       detail::as_batch1(dlambda_logit), options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
 
@@ -214,7 +222,8 @@ void attention_varlen_backward(detail::nondeduced_view<const T, 3> q,
                                detail::nondeduced_view<const T, 3> dout,
                                detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
                                detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
-                               const AttentionOptions& options = {}) {
+                               const AttentionOptions& options = {},
+    detail::nondeduced_view<T, 1> dsinks = {}) {
   constexpr const char* fn = "attention_varlen_backward";
   static_assert(!is_half_storage_v<T>,
                 "attention_varlen_backward: no 16-bit storage; compute "
@@ -224,6 +233,7 @@ void attention_varlen_backward(detail::nondeduced_view<const T, 3> q,
       detail::as_batch1(lse), detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
       detail::as_batch1(dv), options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
 

@@ -1,5 +1,6 @@
-// quantize_rows: rows of keys or values to 8-bit storage (std::int8_t,
-// float8_e4m3) with one float scale per row, as the 8-bit KV caches hold them.
+/// \file
+/// quantize_rows: rows of keys or values to 8-bit storage (std::int8_t,
+/// float8_e4m3) with one float scale per row, as the 8-bit KV caches hold them.
 #pragma once
 
 #include <cmath>
@@ -8,11 +9,11 @@
 #include <vector>
 
 #include "config.hpp"
-#include "detail/convert.hpp"
-#include "detail/format.hpp"
-#include "detail/quant.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
+#include "detail/decode/quant.hpp"
+#include "detail/kernel/convert.hpp"
 #include "float8.hpp"
 #include "tensor.hpp"
 #include "types.hpp"
@@ -79,6 +80,7 @@ void quantize_rows_impl(const TensorView<const S, R>& src, const TensorView<Q, R
 
 }  // namespace detail
 
+/// \ingroup storage
 /// Quantizes rows to 8-bit storage with one float scale per row, as the 8-bit
 /// KV caches hold keys and values:
 ///   src (.., H, d) float, bfloat16 or half (any strides, rows contiguous),
@@ -101,11 +103,15 @@ void quantize_rows(detail::nondeduced_view<const S, 4> src, detail::nondeduced_v
                    detail::nondeduced_view<float, 3> scale) {
   detail::quantize_rows_impl<S, Q, 4>(src, dst, scale);
 }
+/// \ingroup storage
+/// quantize_rows over (N, H, d) rows: scale (N, H).
 template <class S, class Q>
 void quantize_rows(detail::nondeduced_view<const S, 3> src, detail::nondeduced_view<Q, 3> dst,
                    detail::nondeduced_view<float, 2> scale) {
   detail::quantize_rows_impl<S, Q, 3>(src, dst, scale);
 }
+/// \ingroup storage
+/// quantize_rows over (H, d) rows: scale (H).
 template <class S, class Q>
 void quantize_rows(detail::nondeduced_view<const S, 2> src, detail::nondeduced_view<Q, 2> dst,
                    detail::nondeduced_view<float, 1> scale) {

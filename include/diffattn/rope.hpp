@@ -1,14 +1,18 @@
-// Rotary position embedding (RoPE), interleaved pairs, as the Diff Transformer reference.
+/// \file
+/// Rotary position embedding (RoPE), interleaved pairs, as the Diff Transformer reference.
 #pragma once
 
 #include <cmath>
 #include <vector>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup layers
+/// @{
 
 /// Frequency of rotary pair i for head width `dim`: base^(-2i / dim), i < dim / 2.
 inline double rope_inv_freq(index_t i, index_t dim, double base) {
@@ -89,5 +93,7 @@ void apply_rope_inverse(TensorView<T, 4> x, index_t position_offset = 0, double 
   detail::rope_validate("apply_rope_inverse", x.shape(3), position_offset, base);
   detail::rope_apply<T>(x, position_offset, base, -1);
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

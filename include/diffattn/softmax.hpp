@@ -1,13 +1,17 @@
-// Row-wise softmax with masking and log-sum-exp.
+/// \file
+/// Row-wise softmax with masking and log-sum-exp.
 #pragma once
 
 #include <cmath>
 
 #include "config.hpp"
-#include "detail/softmax.hpp"
+#include "detail/kernel/softmax.hpp"
 #include "matrix.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup materialised
+/// @{
 
 /// Row-wise softmax of `logits` (rows x cols), numerically stable for any
 /// finite logits (the row max is subtracted before exp, so 1e4 cannot overflow).
@@ -37,5 +41,7 @@ Matrix<typename Derived::Scalar> softmax(const Eigen::MatrixBase<Derived>& logit
   }
   return p;
 }
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -1,16 +1,17 @@
-// Mergeable softmax states: the (o, lse) summary of one softmax map over a
-// subset of the keys, and their exact merge. Split-KV decoding and context
-// parallelism (ring attention) are built from them.
+/// \file
+/// Mergeable softmax states: the (o, lse) summary of one softmax map over a
+/// subset of the keys, and their exact merge. Split-KV decoding and context
+/// parallelism (ring attention) are built from them.
 #pragma once
 
 #include <cmath>
 #include <limits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
-#include "detail/parallel.hpp"
-#include "detail/traits.hpp"
-#include "detail/validate.hpp"
+#include "detail/core/format.hpp"
+#include "detail/core/parallel.hpp"
+#include "detail/core/traits.hpp"
+#include "detail/core/validate.hpp"
 #include "tensor.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE

@@ -1,4 +1,5 @@
-// TensorView (non-owning, strided) and Tensor (owning, contiguous, aligned).
+/// \file
+/// TensorView (non-owning, strided) and Tensor (owning, contiguous, aligned).
 #pragma once
 
 #include <algorithm>
@@ -12,7 +13,7 @@
 #include <type_traits>
 
 #include "config.hpp"
-#include "detail/format.hpp"
+#include "detail/core/format.hpp"
 #include "error.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -59,6 +60,7 @@ std::array<index_t, R> row_major_strides(const std::array<index_t, R>& shape) {
 
 }  // namespace detail
 
+/// \ingroup basics
 /// Non-owning view of a rank-R tensor with arbitrary non-negative strides
 /// (counted in elements, mdspan's layout_stride). Cheap to copy; never owns.
 ///
@@ -69,9 +71,13 @@ class TensorView {
   static_assert(R >= 1, "TensorView needs rank >= 1");
 
  public:
+  /// The element type as given (const T for a read-only view).
   using element_type = T;
+  /// The element type without const.
   using value_type = std::remove_cv_t<T>;
+  /// Extents or strides: one index_t per dimension.
   using shape_type = std::array<index_t, R>;
+  /// The rank R.
   static constexpr std::size_t rank_v = R;
 
   /// An empty view: null data, all extents zero.
@@ -109,13 +115,19 @@ class TensorView {
   TensorView(const TensorView<U, R>& other) noexcept  // NOLINT: implicit on purpose
       : data_(other.data()), shape_(other.shape()), strides_(other.strides()) {}
 
+  /// The element at index (0, ..., 0); null for a default-constructed view.
   T* data() const noexcept { return data_; }
+  /// The extents.
   const shape_type& shape() const noexcept { return shape_; }
+  /// Extent of dimension i (i < R, unchecked).
   index_t shape(std::size_t i) const noexcept { return shape_[i]; }
+  /// The strides, in elements.
   const shape_type& strides() const noexcept { return strides_; }
+  /// Stride of dimension i, in elements (i < R, unchecked).
   index_t stride(std::size_t i) const noexcept { return strides_[i]; }
   /// mdspan spelling of shape(i).
   index_t extent(std::size_t i) const noexcept { return shape_[i]; }
+  /// The rank R.
   static constexpr std::size_t rank() noexcept { return R; }
 
   /// Number of elements (product of the extents).
@@ -126,6 +138,7 @@ class TensorView {
     for (index_t e : shape_) n *= e;
     return n;
   }
+  /// True when some extent is 0.
   bool empty() const noexcept { return size() == 0; }
 
   /// True when the strides are the row-major strides of the shape (extents
@@ -159,6 +172,7 @@ class TensorView {
   /// promise about memory it may not own, and pointer arithmetic past an
   /// object is undefined.
   std::uintptr_t span_begin() const noexcept { return reinterpret_cast<std::uintptr_t>(data_); }
+  /// One past the highest byte the view can touch, as an integer (see span_begin()).
   std::uintptr_t span_end() const noexcept {
     if (empty()) return span_begin();
     std::uintptr_t last = 0;
@@ -178,6 +192,7 @@ class TensorView {
   shape_type strides_;
 };
 
+/// \ingroup basics
 /// Owning, contiguous (row-major), 64-byte aligned, zero-initialised tensor;
 /// a buffer of 1 MiB or more (a KV cache, say) starts on a 4 KiB page, so that
 /// its rows of a power-of-two size up to 4 KiB start on a multiple of their
@@ -187,14 +202,20 @@ class Tensor {
   static_assert(std::is_trivially_copyable<T>::value, "Tensor holds trivially copyable scalars");
 
  public:
+  /// Extents: one index_t per dimension.
   using shape_type = std::array<index_t, R>;
   /// Alignment of every buffer; of a buffer of page_aligned_bytes or more, page_alignment.
   static constexpr std::size_t alignment = 64;
+  /// Alignment of a buffer of page_aligned_bytes or more (a 4 KiB page).
   static constexpr std::size_t page_alignment = 4096;
+  /// Size from which a buffer is page-aligned (1 MiB).
   static constexpr std::size_t page_aligned_bytes = std::size_t(1) << 20;
 
+  /// An empty tensor: no buffer, all extents zero.
   Tensor() noexcept : shape_{} {}
 
+  /// A zero-filled tensor of `shape`; throws diffattn::error for a negative
+  /// extent or a size in bytes that overflows.
   explicit Tensor(const shape_type& shape)
       : shape_(shape), size_(detail::checked_size("Tensor", shape, sizeof(T))) {
     if (size_ > 0) {
@@ -206,11 +227,13 @@ class Tensor {
     }
   }
 
+  /// Deep copy.
   Tensor(const Tensor& o) : Tensor(o.shape_) {
     if (size_ > 0)
       std::memcpy(static_cast<void*>(data_.get()), o.data_.get(),
                   static_cast<std::size_t>(size_) * sizeof(T));
   }
+  /// Deep copy assignment.
   Tensor& operator=(const Tensor& o) {
     if (this != &o) {
       Tensor tmp(o);
@@ -218,10 +241,12 @@ class Tensor {
     }
     return *this;
   }
+  /// Takes o's buffer; o is left empty.
   Tensor(Tensor&& o) noexcept : data_(std::move(o.data_)), shape_(o.shape_), size_(o.size_) {
     o.shape_ = shape_type{};
     o.size_ = 0;
   }
+  /// Takes o's buffer; o is left empty.
   Tensor& operator=(Tensor&& o) noexcept {
     data_ = std::move(o.data_);
     shape_ = o.shape_;
@@ -231,26 +256,40 @@ class Tensor {
     return *this;
   }
 
+  /// The buffer (row-major); null when empty.
   T* data() noexcept { return data_.get(); }
+  /// The buffer (row-major); null when empty.
   const T* data() const noexcept { return data_.get(); }
+  /// The extents.
   const shape_type& shape() const noexcept { return shape_; }
+  /// Extent of dimension i (i < R, unchecked).
   index_t shape(std::size_t i) const noexcept { return shape_[i]; }
+  /// mdspan spelling of shape(i).
   index_t extent(std::size_t i) const noexcept { return shape_[i]; }
+  /// Number of elements (product of the extents).
   index_t size() const noexcept { return size_; }
+  /// True when some extent is 0.
   bool empty() const noexcept { return size_ == 0; }
+  /// The rank R.
   static constexpr std::size_t rank() noexcept { return R; }
 
+  /// A row-major view that writes through to the tensor.
   TensorView<T, R> view() noexcept { return make_view<T>(data_.get()); }
+  /// A read-only row-major view.
   TensorView<const T, R> view() const noexcept { return make_view<const T>(data_.get()); }
   /// A read-only view, also of a non-const tensor.
   TensorView<const T, R> cview() const noexcept { return view(); }
+  /// Implicit view(): a Tensor passes where a TensorView is taken.
   operator TensorView<T, R>() noexcept { return view(); }              // NOLINT
+  /// Implicit read-only view().
   operator TensorView<const T, R>() const noexcept { return view(); }  // NOLINT
 
+  /// Element access, as TensorView::operator() (indices checked by DIFFATTN_ASSERT only).
   template <class... I>
   T& operator()(I... idx) {
     return view()(idx...);
   }
+  /// Element access, as TensorView::operator() (indices checked by DIFFATTN_ASSERT only).
   template <class... I>
   const T& operator()(I... idx) const {
     return view()(idx...);

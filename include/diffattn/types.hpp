@@ -1,5 +1,6 @@
-// Storage types: the 16-bit floating-point formats the kernels, caches and
-// safetensors files take besides float and double.
+/// \file
+/// Storage types: the 16-bit floating-point formats the kernels, caches and
+/// safetensors files take besides float and double.
 #pragma once
 
 #include <type_traits>
@@ -9,6 +10,9 @@
 #include "config.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
+
+/// \addtogroup storage
+/// @{
 
 /// bfloat16: 8 exponent bits and 8 significand bits (float's range, relative
 /// rounding 2^-8). Eigen's type: converts to and from float explicitly.
@@ -22,6 +26,7 @@ template <class T>
 struct is_half_storage
     : std::integral_constant<bool, std::is_same<std::remove_cv_t<T>, bfloat16>::value ||
                                        std::is_same<std::remove_cv_t<T>, half>::value> {};
+/// is_half_storage<T>::value.
 template <class T>
 constexpr bool is_half_storage_v = is_half_storage<T>::value;
 
@@ -30,5 +35,7 @@ constexpr bool is_half_storage_v = is_half_storage<T>::value;
 /// kernel on T-storage are compute_t<T>.
 template <class T>
 using compute_t = std::conditional_t<is_half_storage_v<T>, float, std::remove_cv_t<T>>;
+
+/// @}
 
 DIFFATTN_END_NAMESPACE

@@ -9,7 +9,7 @@
 #include <string_view>
 #include <vector>
 
-#include <diffattn/detail/dispatch.hpp>
+#include <diffattn/detail/kernel/dispatch.hpp>
 #include <diffattn/error.hpp>
 #include <diffattn/isa.hpp>
 

@@ -1,5 +1,5 @@
 // What one variant of diffattn::dispatch exports: its kernels for every
-// storage combination of detail/dispatch.hpp, as tables of type-erased
+// storage combination of detail/kernel/dispatch.hpp, as tables of type-erased
 // function pointers in the order of DIFFATTN_FORWARD_STORAGE and
 // DIFFATTN_BACKWARD_STORAGE. Private to the library (not installed).
 //
@@ -12,7 +12,7 @@
 
 #include <type_traits>
 
-#include <diffattn/detail/dispatch.hpp>
+#include <diffattn/detail/kernel/dispatch.hpp>
 
 namespace diffattn_dispatch {
 

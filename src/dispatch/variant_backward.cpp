@@ -1,5 +1,5 @@
 // One variant's backward kernels: compiled once per instruction set.
-#include <diffattn/detail/attention_backward.hpp>
+#include <diffattn/detail/backward/attention_backward.hpp>
 
 #include "variant.hpp"
 

@@ -1,6 +1,6 @@
 // One variant's forward kernels (fused prefill, decoding steps, split-KV,
 // paged caches, packed batches): compiled once per instruction set.
-#include <diffattn/detail/attention_kernel.hpp>
+#include <diffattn/detail/kernel/attention_kernel.hpp>
 
 #include "variant.hpp"
 

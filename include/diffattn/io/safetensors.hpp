@@ -1,16 +1,19 @@
-// Reading and writing safetensors files (the format of Hugging Face and PyTorch checkpoints).
-//
-// Layout of a file:
-//   8 bytes     N, the header length, unsigned little-endian
-//   N bytes     JSON header: {"name": {"dtype": "F32", "shape": [2, 3],
-//                                       "data_offsets": [begin, end]}, ...,
-//                             "__metadata__": {"key": "value", ...}}   (optional)
-//   the rest    the data section; tensor bytes lie at [begin, end) of it,
-//               row-major, little-endian.
-//
-// The reader checks everything against the file's size before touching data,
-// so a truncated or corrupt file gives diffattn::error, never an out-of-bounds
-// read.
+/// \file
+/// Reading and writing safetensors files (the format of Hugging Face and PyTorch checkpoints).
+///
+/// Layout of a file:
+/// \verbatim
+///   8 bytes     N, the header length, unsigned little-endian
+///   N bytes     JSON header: {"name": {"dtype": "F32", "shape": [2, 3],
+///                                       "data_offsets": [begin, end]}, ...,
+///                             "__metadata__": {"key": "value", ...}}   (optional)
+///   the rest    the data section; tensor bytes lie at [begin, end) of it,
+///               row-major, little-endian.
+/// \endverbatim
+///
+/// The reader checks everything against the file's size before touching data,
+/// so a truncated or corrupt file gives diffattn::error, never an out-of-bounds
+/// read.
 #pragma once
 
 #include <algorithm>
@@ -24,15 +27,18 @@
 #include <vector>
 
 #include "../config.hpp"
-#include "../detail/format.hpp"
-#include "../detail/safetensors_bytes.hpp"
-#include "../detail/safetensors_json.hpp"
+#include "../detail/core/format.hpp"
+#include "../detail/io/safetensors_bytes.hpp"
+#include "../detail/io/safetensors_json.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
 #include "../types.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace safetensors {
+
+/// \addtogroup io
+/// @{
 
 /// Size in bytes of one element of a safetensors dtype ("F32", "BF16", ...);
 /// 0 for a name the format does not define.
@@ -75,17 +81,25 @@ inline std::string shape_str(const std::vector<index_t>& shape) {
 
 /// One tensor in memory: dtype name, shape, raw little-endian row-major bytes.
 struct TensorData {
+  /// The safetensors dtype name: "F32", "BF16", "I64", ...
   std::string dtype;
+  /// Extents, outermost first (empty for a scalar).
   std::vector<index_t> shape;
+  /// The elements, row-major, little-endian: shape's product x dtype_size(dtype) bytes.
   std::vector<unsigned char> bytes;
 };
 
 /// Where a tensor lies in the file: offsets relative to the data section.
 struct TensorInfo {
+  /// The safetensors dtype name: "F32", "BF16", "I64", ...
   std::string dtype;
+  /// Extents, outermost first (empty for a scalar).
   std::vector<index_t> shape;
+  /// First byte, relative to the data section.
   std::uint64_t begin = 0;
+  /// One past the last byte, relative to the data section.
   std::uint64_t end = 0;
+  /// Number of elements (product of the extents; 1 for a scalar).
   index_t numel() const {
     index_t n = 1;
     for (index_t e : shape) n *= e;
@@ -183,6 +197,8 @@ TensorData make_tensor(const Tensor<T, R>& t) {
 /// whose size does not match shape x dtype.
 class Reader {
  public:
+  /// Opens `path` and reads and checks its header; `fn` is the name error
+  /// messages start with.
   explicit Reader(const std::string& path, const std::string& fn = "read_safetensors")
       : path_(path), fn_(fn) {
     std::ifstream in(path, std::ios::binary | std::ios::ate);
@@ -210,11 +226,13 @@ class Reader {
     parse_header(header);
   }
 
+  /// The file's path, as given.
   const std::string& path() const noexcept { return path_; }
   /// Every tensor of the file by name (the header order is not kept).
   const std::map<std::string, TensorInfo>& tensors() const noexcept { return tensors_; }
   /// The optional "__metadata__" string map.
   const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  /// True when the file has a tensor called `name`.
   bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
 
   /// Header entry of `name`; throws when the file has no such tensor.
@@ -375,8 +393,11 @@ class Reader {
   std::map<std::string, std::string> metadata_;
 };
 
+/// @}
+
 }  // namespace safetensors
 
+/// \ingroup io
 /// Reads every tensor of a safetensors file: name -> {dtype, shape, bytes}.
 /// See safetensors::Reader for what is checked; use the Reader directly to load
 /// only some tensors of a large file.
@@ -387,6 +408,7 @@ inline std::map<std::string, safetensors::TensorData> read_safetensors(const std
   return out;
 }
 
+/// \ingroup io
 /// Writes tensors (any dtype the format defines) and optional string metadata
 /// as a safetensors file: tensors in name order, the header padded with spaces
 /// to a multiple of 8 bytes. Throws diffattn::error for an unknown dtype, a byte

@@ -1,0 +1,79 @@
+// The one threading primitive of the kernels: tasks handed out one at a time.
+#pragma once
+
+#include <algorithm>
+#include <exception>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "../../config.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Threads to use: `requested`, else the OpenMP default (1 without OpenMP);
+/// never more than there are tasks, never fewer than 1.
+inline int resolve_threads(int requested, index_t tasks) {
+#ifdef _OPENMP
+  index_t n = requested > 0 ? requested : omp_get_max_threads();
+#else
+  index_t n = 1;
+  (void)requested;
+#endif
+  n = std::min(n, tasks);
+  return static_cast<int>(std::max<index_t>(n, 1));
+}
+
+/// Multiply-adds below which a call runs on one thread: waking a team costs
+/// more than the work. Measured on Zen 5 (2 cores), V2 over 8 tokens (8
+/// heads of 64; 131k multiply-adds as run_attention counts them) took 24 us
+/// on one thread and 25 on two, and 485 us on two next to another process
+/// doing the same (OpenMP's waiting threads spin on the cores the other one
+/// needs); over 32 tokens (2.1M) two threads were 1.4x faster than one. The
+/// projections (linear.hpp) cross over at the same size: one row through a
+/// 256 x 256 W (65k) took 5.4 us on one thread and 8.4 on two, through
+/// 512 x 512 (262k) 21.2 and 16.1.
+constexpr double kMinParallelWork = 262144;
+
+/// resolve_threads for a call of `work` multiply-adds: 1 below
+/// kMinParallelWork.
+inline int resolve_threads(int requested, index_t tasks, double work) {
+  return work < kMinParallelWork ? 1 : resolve_threads(requested, tasks);
+}
+
+/// Runs body(t) for every t in [0, tasks) on `threads` threads, handing tasks
+/// out one at a time (dynamic schedule: causal tasks differ in cost), then
+/// epilogue() once on each participating thread. An exception thrown by a task
+/// (say, out of memory) is caught inside the parallel region and rethrown here
+/// after every thread has finished; it never escapes an OpenMP region.
+template <class Body, class Epilogue>
+void parallel_tasks(index_t tasks, int threads, Body&& body, Epilogue&& epilogue) {
+#ifdef _OPENMP
+  if (threads > 1) {
+    std::exception_ptr failure;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+      for (index_t t = 0; t < tasks; ++t) {
+        try {
+          body(t);
+        } catch (...) {
+#pragma omp critical(diffattn_failure)
+          if (!failure) failure = std::current_exception();
+        }
+      }
+      epilogue();
+    }
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+#endif
+  (void)threads;
+  for (index_t t = 0; t < tasks; ++t) body(t);
+  epilogue();
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE

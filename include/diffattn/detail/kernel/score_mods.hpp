@@ -1,0 +1,217 @@
+// Run-time score modifiers (AttentionOptions::softcap, alibi_slopes, sinks)
+// on one row of scores, shared by the fused forward, the decoding step and
+// the backward.
+//
+// The kernels keep a block's score rows in memory between the products and
+// the softmax, so the modifiers are applied there, row by row, in one pass over
+// the row: no kernel is instantiated once per modifier, and a call without
+// modifiers never reaches this code (the kernels test
+// AttentionProblem::modified once per row, before the softmax).
+#pragma once
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "../../config.hpp"
+#include "../../options.hpp"
+#include "../core/validate.hpp"
+#include "block_info.hpp"
+
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+
+/// Members of a user score functor (options.hpp, NoScoreMod), detected at
+/// compile time: a member that is absent adds nothing to the kernels.
+template <class Mod, class S, class = void>
+struct has_score : std::false_type {};
+template <class Mod, class S>
+struct has_score<Mod, S,
+                 std::void_t<decltype(std::declval<const Mod&>().score(
+                     std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
+    : std::true_type {};
+template <class Mod, class = void>
+struct has_visible : std::false_type {};
+template <class Mod>
+struct has_visible<Mod, std::void_t<decltype(static_cast<bool>(std::declval<const Mod&>().visible(
+                            index_t(), index_t(), index_t(), index_t())))>> : std::true_type {};
+template <class Mod, class S, class = void>
+struct has_dscore : std::false_type {};
+template <class Mod, class S>
+struct has_dscore<Mod, S,
+                  std::void_t<decltype(std::declval<const Mod&>().dscore(
+                      std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
+    : std::true_type {};
+/// Optional with `visible`: visible_block(b, h, i0, i1, j0, j1) classifies the
+/// pairs [i0, i1) x [j0, j1): 0 when none is visible, 2 when all are, 1 when
+/// some are (or it cannot tell cheaply). FlexAttention's block mask, asked
+/// for each block instead of stored.
+template <class Mod, class = void>
+struct has_visible_block : std::false_type {};
+template <class Mod>
+struct has_visible_block<Mod, std::void_t<decltype(static_cast<int>(
+                                  std::declval<const Mod&>().visible_block(
+                                      index_t(), index_t(), index_t(), index_t(), index_t(),
+                                      index_t())))>> : std::true_type {};
+/// Keys per chunk classified by visible_block.
+constexpr index_t kVisibleChunk = 64;
+
+/// A functor the kernels must call (score or visible).
+template <class Mod, class S>
+constexpr bool is_active_mod = has_score<Mod, S>::value || has_visible<Mod>::value;
+
+/// The functor's score and mask on the n scores w of keys kb .. kb + n - 1 of
+/// query i (batch entry b, query head h), after the run-time modifiers: a
+/// masked pair becomes -inf. When `score_in` is given it receives the scores
+/// the functor's score was given (the backward's dscore takes them).
+template <class Mod, class C>
+void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index_t i, index_t kb,
+                    C* score_in = nullptr) {
+  if constexpr (has_score<Mod, C>::value) {
+    for (index_t t = 0; t < n; ++t) {
+      if (score_in) score_in[t] = w[t];
+      w[t] = mod.score(w[t], b, h, i, kb + t);
+    }
+  }
+  if constexpr (has_visible<Mod>::value) {
+    constexpr C ninf = -std::numeric_limits<C>::infinity();
+    if constexpr (has_visible_block<Mod>::value) {
+      // Chunks that visible_block calls all visible or none cost one call.
+      for (index_t t0 = 0; t0 < n; t0 += kVisibleChunk) {
+        const index_t t1 = std::min(n, t0 + kVisibleChunk);
+        const int cls = mod.visible_block(b, h, i, i + 1, kb + t0, kb + t1);
+        if (cls == 2) continue;
+        for (index_t t = t0; t < t1; ++t)
+          if (cls == 0 || !mod.visible(b, h, i, kb + t)) w[t] = ninf;
+      }
+    } else {
+      for (index_t t = 0; t < n; ++t)
+        if (!mod.visible(b, h, i, kb + t)) w[t] = ninf;
+    }
+  }
+  (void)mod, (void)w, (void)n, (void)b, (void)h, (void)i, (void)kb, (void)score_in;
+}
+
+/// The rows of a block narrowed to [lo, hi), the keys some row of the block
+/// sees under the functor's `visible` (begin and end stay non-decreasing).
+struct ClampedRows : BlockRows {
+  index_t lo = 0, hi = 0;
+  index_t begin(index_t ii) const { return std::max(BlockRows::begin(ii), lo); }
+  index_t end(index_t ii) const { return std::min(BlockRows::end(ii), hi); }
+  index_t count(index_t ii) const { return std::max<index_t>(0, end(ii) - begin(ii)); }
+};
+
+/// The per-call block classification of a `visible` functor: the keys the
+/// block's rows see in the band [begin, end) are narrowed to the hull of the
+/// pairs visible for some row and map, found from each end of the band by
+/// evaluating visible key by key (or, when the functor has visible_block,
+/// chunk by chunk of kVisibleChunk keys) until one is. Tiles outside the hull
+/// (the other documents of a packed row, a prefix no row sees) are never
+/// computed; inside it the softmax step masks the pairs (functor_scores:
+/// every pair evaluated, or only those of the chunks visible_block calls
+/// partial).
+template <class Mod>
+ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh, int maps) {
+  ClampedRows cr;
+  static_cast<BlockRows&>(cr) = br;
+  const index_t jb = br.begin(0), je = std::max(jb, br.end(br.rows - 1));
+  if constexpr (has_visible_block<Mod>::value) {
+    // Chunks of kVisibleChunk keys, classified for the block's rows at once.
+    const index_t i0 = br.i0, i1 = br.i0 + br.rows;
+    auto any = [&](index_t j0, index_t j1) {
+      for (int m = 0; m < maps; ++m)
+        if (mod.visible_block(b, qh[m], i0, i1, j0, j1) != 0) return true;
+      return false;
+    };
+    cr.lo = cr.hi = jb;
+    bool found = false;
+    for (index_t j = jb; j < je && !found; j += kVisibleChunk)
+      if (any(j, std::min(je, j + kVisibleChunk))) {
+        cr.lo = j;
+        found = true;
+      }
+    if (!found) return cr;
+    for (index_t j = je; j > cr.lo; j -= std::min(kVisibleChunk, j - cr.lo))
+      if (any(std::max(cr.lo, j - kVisibleChunk), j)) {
+        cr.hi = j;
+        break;
+      }
+    return cr;
+  }
+  auto seen = [&](index_t j) {
+    for (index_t ii = 0; ii < br.rows; ++ii) {
+      if (j < br.begin(ii) || j >= br.end(ii)) continue;
+      for (int m = 0; m < maps; ++m)
+        if (mod.visible(b, qh[m], br.i0 + ii, j)) return true;
+    }
+    return false;
+  };
+  cr.lo = cr.hi = jb;  // nothing visible: every row empty
+  bool found = false;
+  for (index_t j = jb; j < je && !found; ++j)
+    if (seen(j)) {
+      cr.lo = j;
+      found = true;
+    }
+  if (!found) return cr;
+  for (index_t j = je; j-- > cr.lo;)
+    if (seen(j)) {
+      cr.hi = j + 1;
+      break;
+    }
+  return cr;
+}
+
+/// The modifiers of one query head in the compute type C.
+template <class C>
+struct RowMods {
+  C cap = C(0);                                    // softcap, 0: none
+  C slope = C(0);                                  // ALiBi slope, 0: none
+  C sink = -std::numeric_limits<C>::infinity();    // sink logit
+  bool has_sink = false;
+};
+
+template <class T, class KV>
+RowMods<compute_t<T>> row_mods(const AttentionProblem<T, KV>& p, index_t qh) {
+  using C = compute_t<T>;
+  RowMods<C> r;
+  r.cap = p.softcap;
+  if (!p.alibi_slopes.empty()) r.slope = static_cast<C>(p.alibi_slopes(qh));
+  if (!p.sinks.empty()) {
+    r.sink = static_cast<C>(p.sinks(qh));
+    r.has_sink = true;
+  }
+  return r;
+}
+
+/// Soft-capping then ALiBi on the n scores w of keys kb .. kb + n - 1 of a
+/// query whose diagonal (i + M - N) is `diag`: w_t = cap tanh(w_t / cap) -
+/// slope |diag - (kb + t)|. When `tanh_out` is given it receives
+/// tanh(w_t / cap) (the backward's derivative 1 - tanh^2).
+template <class C>
+void modify_scores(C* w, index_t n, const RowMods<C>& rm, index_t diag, index_t kb,
+                   C* tanh_out = nullptr) {
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+  if (n <= 0) return;
+  if (rm.cap > C(0)) {
+    ArrayMap a(w, n);
+    if (tanh_out) {
+      ArrayMap t(tanh_out, n);
+      t = (a / rm.cap).tanh();
+      a = rm.cap * t;
+    } else {
+      a = rm.cap * (a / rm.cap).tanh();
+    }
+  }
+  if (rm.slope != C(0)) {
+    const index_t c = diag - kb;
+    for (index_t t = 0; t < n; ++t) w[t] -= rm.slope * static_cast<C>(std::abs(c - t));
+  }
+}
+
+}  // namespace detail
+DIFFATTN_END_NAMESPACE
