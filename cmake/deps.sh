@@ -10,7 +10,11 @@ set -eu
 packages="cmake g++ make libeigen3-dev catch2 libbenchmark-dev"
 if [ "${1:-}" = "--test" ]; then
   packages="$packages clang libclang-rt-dev libopenmpi-dev openmpi-bin doxygen ccache"
+  # libopenblas0-openmp: Debian's torch otherwise multiplies on the reference
+  # BLAS (libblas3, about 5 GFLOP/s), which makes the Python example's training
+  # smoke test take 4-5x longer.
   packages="$packages python3-dev pybind11-dev python3-numpy python3-pytest python3-torch"
+  packages="$packages libopenblas0-openmp"
 fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then

@@ -6,8 +6,9 @@
 
 Tensors are CPU tensors of float32 or float64, or bfloat16 / float16 for the
 forward pass; they reach the kernels without a copy when their last axis is
-contiguous (any other strides pass as they are). The backward kernels compute
-in float32 or float64: the gradients of 16-bit tensors are computed on float32
+contiguous (any other strides pass as they are). Score modifiers (softcap, alibi_slopes (Hq), sinks (Hq),
+learnable: their gradient comes back through autograd) are keyword arguments
+of the functions. The backward kernels compute in float32 or float64: the gradients of 16-bit tensors are computed on float32
 copies of the saved tensors and rounded back to the tensors' dtype.
 
 The modules keep the reference implementations' parameters (nn.Linear weights
@@ -63,9 +64,25 @@ def _grad_dtype(t):
     return torch.float32 if t.dtype in _HALF else t.dtype
 
 
-def _opts(causal, window_left, window_right, scale, num_threads):
-    return dict(causal=bool(causal), window_left=int(window_left), window_right=int(window_right),
-                scale=float(scale), num_threads=int(num_threads))
+def _opts(causal, window_left, window_right, scale, num_threads, softcap=0.0, alibi_slopes=None,
+          sinks=None):
+    o = dict(causal=bool(causal), window_left=int(window_left), window_right=int(window_right),
+             scale=float(scale), num_threads=int(num_threads), softcap=float(softcap))
+    if alibi_slopes is not None:
+        o["alibi_slopes"] = alibi_slopes.detach().to(torch.float32).numpy() \
+            if torch.is_tensor(alibi_slopes) else np.asarray(alibi_slopes, np.float32)
+    if sinks is not None:
+        o["sinks"] = sinks.detach().to(torch.float32).numpy()
+    return o
+
+
+def _dsinks(sinks, dtype):
+    """The dsinks= output of a backward call (None without learnable sinks)."""
+    return None if sinks is None else np.zeros(sinks.shape[0], dtype=np.dtype(str(dtype)[6:]))
+
+
+def _grad_sinks(sinks, d):
+    return None if sinks is None else torch.from_numpy(d).to(sinks.dtype)
 
 
 def lambda_init(depth):
@@ -79,14 +96,15 @@ class DiffAttnV1Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_, causal=False, window_left=-1, window_right=-1, scale=0.0,
-                num_threads=0):
-        o = _opts(causal, window_left, window_right, scale, num_threads)
+                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
         lam = float(lambda_) if lambda_.dim() == 0 else _np(
             lambda_.to(torch.float32 if q.dtype in _HALF else q.dtype), "lambda_")
         out, lse = _C.diff_attention_v1(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, lambda_, out, lse)
-        ctx.opts = o
+        ctx.opts, ctx.sinks = o, sinks
         return out
 
     @staticmethod
@@ -94,13 +112,14 @@ class DiffAttnV1Function(torch.autograd.Function):
         q, k, v, lambda_, out, lse = ctx.saved_tensors
         g = _grad_dtype(q)
         lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
+        ds = _dsinks(ctx.sinks, g)
         dq, dk, dv, dl = _C.diff_attention_v1_backward(
             _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), lam, _np(out.to(g)), _np(lse),
-            _np(dout.to(g)), **ctx.opts)
+            _np(dout.to(g)), dsinks=ds, **ctx.opts)
         dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
             _torch(dl).to(lambda_.dtype)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
-                None, None, None, None, None)
+                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
 
 
 class DiffAttnV2Function(torch.autograd.Function):
@@ -109,24 +128,27 @@ class DiffAttnV2Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_logit, causal=False, window_left=-1, window_right=-1,
-                scale=0.0, num_threads=0):
-        o = _opts(causal, window_left, window_right, scale, num_threads)
+                scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
         out, lse = _C.diff_attention_v2(_np(q, "q"), _np(k, "k"), _np(v, "v"),
                                         _np(lambda_logit, "lambda_logit"), **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, lambda_logit, out, lse)
-        ctx.opts = o
+        ctx.opts, ctx.sinks = o, sinks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, logit, out, lse = ctx.saved_tensors
         g = _grad_dtype(q)
+        ds = _dsinks(ctx.sinks, g)
         dq, dk, dv, dlog = _C.diff_attention_v2_backward(
             _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), _np(logit.to(g)), _np(out.to(g)), _np(lse),
-            _np(dout.to(g)), **ctx.opts)
+            _np(dout.to(g)), dsinks=ds, **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
-                _torch(dlog).to(logit.dtype), None, None, None, None, None)
+                _torch(dlog).to(logit.dtype), None, None, None, None, None, None, None,
+                _grad_sinks(ctx.sinks, ds))
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -134,46 +156,50 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0,
-                num_threads=0):
-        o = _opts(causal, window_left, window_right, scale, num_threads)
+                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
         out, lse = _C.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = o
+        ctx.opts, ctx.sinks = o, sinks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         g = _grad_dtype(q)
+        ds = _dsinks(ctx.sinks, g)
         dq, dk, dv = _C.attention_backward(_np(q.to(g)), _np(k.to(g)), _np(v.to(g)),
-                                           _np(out.to(g)), _np(lse), _np(dout.to(g)), **ctx.opts)
+                                           _np(out.to(g)), _np(lse), _np(dout.to(g)), dsinks=ds,
+                                           **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
 
 
 def diff_attention_v1(q, k, v, lambda_, *, causal=False, window_left=-1, window_right=-1,
-                      scale=0.0, num_threads=0):
+                      scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
     """Differentiable diff_attention_v1: q (B, N, 2H, d), k (B, M, 2Hkv, d),
     v (B, M, Hkv, 2d), lambda_ a number, 0-d tensor or (H) -> out (B, N, H, 2d)."""
     if not torch.is_tensor(lambda_):
         lambda_ = torch.tensor(float(lambda_), dtype=_grad_dtype(q))
     return DiffAttnV1Function.apply(q, k, v, lambda_, causal, window_left, window_right, scale,
-                                    num_threads)
+                                    num_threads, softcap, alibi_slopes, sinks)
 
 
 def diff_attention_v2(q, k, v, lambda_logit, *, causal=False, window_left=-1, window_right=-1,
-                      scale=0.0, num_threads=0):
+                      scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
     """Differentiable diff_attention_v2: q (B, N, 2H, d), k, v (B, M, Hkv, d),
     lambda_logit (B, N, H) -> out (B, N, H, d)."""
     return DiffAttnV2Function.apply(q, k, v, lambda_logit, causal, window_left, window_right,
-                                    scale, num_threads)
+                                    scale, num_threads, softcap, alibi_slopes, sinks)
 
 
 def attention(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0.0,
-              num_threads=0):
+              num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
     """Differentiable plain attention: q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv)."""
-    return AttentionFunction.apply(q, k, v, causal, window_left, window_right, scale, num_threads)
+    return AttentionFunction.apply(q, k, v, causal, window_left, window_right, scale, num_threads,
+                                   softcap, alibi_slopes, sinks)
 
 
 def apply_rope(x, position_offset=0, base=10000.0):
@@ -242,10 +268,12 @@ class KVCache:
 
 class _Module(nn.Module):
     def _check_cache_use(self, cache):
+        # The cached forward is for inference: it runs under no_grad.
         if not self.causal:
             raise ValueError(f"{type(self).__name__}.forward: a KV cache needs a causal module")
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            pass  # the cached forward is for inference: no graph is recorded through the cache
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"{type(self).__name__}.forward: cache must come from make_cache, "
+                             f"got {type(cache).__name__}")
 
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

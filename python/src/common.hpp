@@ -191,6 +191,32 @@ inline diffattn::AttentionOptions make_options(bool causal, index_t window_left,
   return o;
 }
 
+/// Options with the score modifiers, and the float32 arrays they view.
+struct OptionsHolder {
+  diffattn::AttentionOptions options;
+  py::array_t<float, py::array::c_style | py::array::forcecast> alibi_slopes, sinks;
+};
+
+inline OptionsHolder make_options(bool causal, index_t window_left, index_t window_right,
+                                  double scale, int num_threads, double softcap,
+                                  const py::object& alibi_slopes, const py::object& sinks) {
+  OptionsHolder h;
+  h.options = make_options(causal, window_left, window_right, scale, num_threads);
+  h.options.softcap = static_cast<float>(softcap);
+  auto vec = [](const char* name, const py::object& o,
+                py::array_t<float, py::array::c_style | py::array::forcecast>& keep)
+      -> TensorView<const float, 1> {
+    if (o.is_none()) return {};
+    keep = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(o);
+    if (!keep || keep.ndim() != 1)
+      fail("options", name, " must be a 1-D array (Hq) of numbers");
+    return TensorView<const float, 1>(keep.data(), {static_cast<index_t>(keep.shape(0))});
+  };
+  h.options.alibi_slopes = vec("alibi_slopes", alibi_slopes, h.alibi_slopes);
+  h.options.sinks = vec("sinks", sinks, h.sinks);
+  return h;
+}
+
 template <class T>
 struct Tag {
   using type = T;
@@ -214,4 +240,5 @@ py::object visit_float(const char* fn, const char* name, DType t, F&& f) {
 
 #define DIFFATTN_PY_OPTION_ARGS                                                           \
   py::arg("causal") = false, py::arg("window_left") = -1, py::arg("window_right") = -1, \
-      py::arg("scale") = 0.0, py::arg("num_threads") = 0
+      py::arg("scale") = 0.0, py::arg("num_threads") = 0, py::arg("softcap") = 0.0,      \
+      py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none()

@@ -68,11 +68,12 @@ void bind_fused(py::module_& m) {
   m.def(
       "diff_attention_v1",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
-         bool causal, index_t wl, index_t wr, double scale, int nt, const py::object& out_,
+         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
@@ -106,12 +107,13 @@ out (B, N, H, 2d), lse (B, 2H, N) in float32 for 16-bit storage.)doc");
   m.def(
       "diff_attention_v2",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, bool causal, index_t wl, index_t wr, double scale, int nt,
+         const py::handle& logit_, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
          const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
@@ -141,11 +143,12 @@ out (B, N, H, d), lse (B, 2H, N).)doc");
   m.def(
       "attention",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, bool causal,
-         index_t wl, index_t wr, double scale, int nt, const py::object& out_,
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "attention";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
@@ -176,12 +179,13 @@ void bind_backward(py::module_& m) {
       "diff_attention_v1_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& out_, const py::handle& lse_, const py::handle& dout_, bool causal,
-         index_t wl, index_t wr, double scale, int nt, const py::object& dq_,
-         const py::object& dk_, const py::object& dv_) {
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& dq_,
+         const py::object& dk_, const py::object& dv_, const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v1_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float<false>(
             fn, "q", dtype_of(q),
             [&](auto tag) -> py::object {
@@ -198,13 +202,15 @@ void bind_backward(py::module_& m) {
               const auto dqv = view_of<T, 4>(fn, "dq", dq);
               const auto dkv = view_of<T, 4>(fn, "dk", dk);
               const auto dvv = view_of<T, 4>(fn, "dv", dv);
+              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
               const Lambda l = lambda_arg<T>(fn, lam);
               if (l.scalar) {
                 T dl = 0;
                 {
                   py::gil_scoped_release nogil;
                   diffattn::diff_attention_v1_backward<T>(qv, kv, vv, static_cast<T>(l.value), ov,
-                                                          lv, gv, dqv, dkv, dvv, dl, o);
+                                                          lv, gv, dqv, dkv, dvv, dl, o, dsv);
                 }
                 return py::make_tuple(dq, dk, dv, py::float_(static_cast<double>(dl)));
               }
@@ -214,14 +220,14 @@ void bind_backward(py::module_& m) {
               {
                 py::gil_scoped_release nogil;
                 diffattn::diff_attention_v1_backward<T>(qv, kv, vv, lh, ov, lv, gv, dqv, dkv, dvv,
-                                                        dlv, o);
+                                                        dlv, o, dsv);
               }
               return py::make_tuple(dq, dk, dv, dl);
             });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"),
       py::arg("lse"), py::arg("dout"), py::kw_only(), DIFFATTN_PY_OPTION_ARGS,
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
       R"doc(Backward of diff_attention_v1: returns (dq, dk, dv, dlambda).
 
 Takes the forward's arguments, its out and lse, and dout = dL/dout. dlambda is a
@@ -232,13 +238,14 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
       "diff_attention_v2_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
          const py::handle& logit_, const py::handle& out_, const py::handle& lse_,
-         const py::handle& dout_, bool causal, index_t wl, index_t wr, double scale, int nt,
-         const py::object& dq_, const py::object& dk_, const py::object& dv_) {
+         const py::handle& dout_, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& dq_, const py::object& dk_, const py::object& dv_, const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v2_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_), out = as_array(out_), lse = as_array(lse_),
                         dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float<false>(
             fn, "q", dtype_of(q),
             [&](auto tag) -> py::object {
@@ -257,30 +264,33 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
               const auto dqv = view_of<T, 4>(fn, "dq", dq);
               const auto dkv = view_of<T, 4>(fn, "dk", dk);
               const auto dvv = view_of<T, 4>(fn, "dv", dv);
+              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
               const auto dlv = view_of<T, 3>(fn, "dlambda_logit", dlog);
               {
                 py::gil_scoped_release nogil;
                 diffattn::diff_attention_v2_backward<T>(qv, kv, vv, gl, ov, lv, gv, dqv, dkv, dvv,
-                                                        dlv, o);
+                                                        dlv, o, dsv);
               }
               return py::make_tuple(dq, dk, dv, dlog);
             });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_logit"), py::arg("out"),
       py::arg("lse"), py::arg("dout"), py::kw_only(), DIFFATTN_PY_OPTION_ARGS,
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
       R"doc(Backward of diff_attention_v2: returns (dq, dk, dv, dlambda_logit).)doc");
 
   m.def(
       "attention_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& out_,
          const py::handle& lse_, const py::handle& dout_, bool causal, index_t wl, index_t wr,
-         double scale, int nt, const py::object& dq_, const py::object& dk_,
-         const py::object& dv_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& dq_, const py::object& dk_,
+         const py::object& dv_, const py::object& dsinks_) {
         constexpr const char* fn = "attention_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         return visit_float<false>(
             fn, "q", dtype_of(q),
             [&](auto tag) -> py::object {
@@ -297,16 +307,18 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
               const auto dqv = view_of<T, 4>(fn, "dq", dq);
               const auto dkv = view_of<T, 4>(fn, "dk", dk);
               const auto dvv = view_of<T, 4>(fn, "dv", dv);
+              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
               {
                 py::gil_scoped_release nogil;
-                diffattn::attention_backward<T>(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o);
+                diffattn::attention_backward<T>(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dsv);
               }
               return py::make_tuple(dq, dk, dv);
             });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
       py::kw_only(), DIFFATTN_PY_OPTION_ARGS, py::arg("dq") = py::none(),
-      py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
       R"doc(Backward of attention: returns (dq, dk, dv).)doc");
 }
 
@@ -342,10 +354,11 @@ void bind_kvcache(py::module_& m) {
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& lens, const py::object& table, const py::object& ks,
          const py::object& vs, index_t split_keys, bool causal, index_t wl, index_t wr,
-         double scale, int nt, const py::object& out_, const py::object& lse_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         CacheArgs c;
         fill_cache(fn, c, lens, table, ks, vs, split_keys);
         return visit_pair(fn, dtype_of(q), dtype_of(k), [&](auto tt, auto tk) -> py::object {
@@ -390,11 +403,12 @@ caches take k_scale / v_scale (B, capacity, H) float32).)doc");
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
          const py::handle& logit_, const py::handle& lens, const py::object& table,
          const py::object& ks, const py::object& vs, index_t split_keys, bool causal, index_t wl,
-         index_t wr, double scale, int nt, const py::object& out_, const py::object& lse_) {
+         index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         CacheArgs c;
         fill_cache(fn, c, lens, table, ks, vs, split_keys);
         return visit_pair(fn, dtype_of(q), dtype_of(k), [&](auto tt, auto tk) -> py::object {
@@ -428,11 +442,12 @@ with k_cache, v_cache (B, capacity, Hkv, d) and lambda_logit (B, n, H).)doc");
       "attention_kvcache",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& lens,
          const py::object& table, const py::object& ks, const py::object& vs, index_t split_keys,
-         bool causal, index_t wl, index_t wr, double scale, int nt, const py::object& out_,
+         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "attention_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         CacheArgs c;
         fill_cache(fn, c, lens, table, ks, vs, split_keys);
         return visit_pair(fn, dtype_of(q), dtype_of(k), [&](auto tt, auto tk) -> py::object {
@@ -483,10 +498,11 @@ void bind_varlen(py::module_& m) {
       "diff_attention_v1_varlen",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, const py::object& out_, const py::object& lse_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
@@ -525,12 +541,13 @@ lse (2H, T).)doc");
       "diff_attention_v2_varlen",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
          const py::handle& logit_, const py::object& seqs_, const py::object& cu_k, bool causal,
-         index_t wl, index_t wr, double scale, int nt, const py::object& out_,
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
@@ -560,10 +577,11 @@ lse (2H, T).)doc");
       "attention_varlen",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, const py::object& out_, const py::object& lse_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "attention_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
@@ -592,11 +610,12 @@ lse (2H, T).)doc");
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& out_, const py::handle& lse_, const py::handle& dout_,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "diff_attention_v1_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float<false>(
             fn, "q", dtype_of(q),
@@ -644,12 +663,13 @@ lse (2H, T).)doc");
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
          const py::handle& logit_, const py::handle& out_, const py::handle& lse_,
          const py::handle& dout_, const py::object& seqs_, const py::object& cu_k, bool causal,
-         index_t wl, index_t wr, double scale, int nt) {
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "diff_attention_v2_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_), out = as_array(out_), lse = as_array(lse_),
                         dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float<false>(
             fn, "q", dtype_of(q),
@@ -685,11 +705,12 @@ lse (2H, T).)doc");
       "attention_varlen_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& out_,
          const py::handle& lse_, const py::handle& dout_, const py::object& seqs_,
-         const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt) {
+         const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "attention_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
-        const auto o = make_options(causal, wl, wr, scale, nt);
+        const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
+        const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
         return visit_float<false>(
             fn, "q", dtype_of(q),

@@ -235,8 +235,11 @@ void bind_v1(py::module_& m, const char* name) {
   auto c = bind_layer_common<L>(m, name);
   c.def(py::init([](index_t e, int depth, index_t h, index_t hkv, bool causal, bool rope,
                     bool norm_affine, double rope_base, index_t wl, index_t wr, index_t hd,
-                    double eps, std::uint64_t seed) {
+                    double eps, double softcap, bool alibi, bool sinks, std::uint64_t seed) {
           DiffAttnV1Config cfg;
+          cfg.softcap = static_cast<float>(softcap);
+          cfg.alibi = alibi;
+          cfg.sinks = sinks;
           cfg.embed_dim = e;
           cfg.depth = depth;
           cfg.num_heads = h;
@@ -255,6 +258,7 @@ void bind_v1(py::module_& m, const char* name) {
         py::kw_only(), py::arg("causal") = true, py::arg("rope") = true,
         py::arg("norm_affine") = true, py::arg("rope_base") = 10000.0, py::arg("window_left") = -1,
         py::arg("window_right") = -1, py::arg("head_dim") = 0, py::arg("norm_eps") = 1e-5,
+        py::arg("softcap") = 0.0, py::arg("alibi") = false, py::arg("sinks") = false,
         py::arg("seed") = 0)
       .def("lambda_init", [](const L& l) { return l.lambda_init(); })
       .def("lambda_full", [](const L& l) { return static_cast<double>(l.lambda_full()); })
@@ -278,8 +282,11 @@ void bind_v2(py::module_& m, const char* name) {
   auto c = bind_layer_common<L>(m, name);
   c.def(py::init([](index_t e, const py::object& /*depth*/, index_t h, index_t hkv, index_t hd,
                     bool causal, bool rope, double rope_base, index_t wl, index_t wr,
-                    std::uint64_t seed) {
+                    double softcap, bool alibi, bool sinks, std::uint64_t seed) {
           DiffAttnV2Config cfg;
+          cfg.softcap = static_cast<float>(softcap);
+          cfg.alibi = alibi;
+          cfg.sinks = sinks;
           cfg.embed_dim = e;
           cfg.num_heads = h;
           cfg.num_kv_heads = hkv;
@@ -294,6 +301,7 @@ void bind_v2(py::module_& m, const char* name) {
         py::arg("embed_dim"), py::arg("depth"), py::arg("num_heads"), py::arg("num_kv_heads") = 0,
         py::kw_only(), py::arg("head_dim") = 0, py::arg("causal") = true, py::arg("rope") = true,
         py::arg("rope_base") = 10000.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("softcap") = 0.0, py::arg("alibi") = false, py::arg("sinks") = false,
         py::arg("seed") = 0)
       .def("load_safetensors", &L::load_safetensors, py::arg("path"), py::arg("prefix") = "");
 }

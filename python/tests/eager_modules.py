@@ -34,22 +34,21 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def causal_mask(n, m, dtype):
-    i = torch.arange(n)[:, None] + (m - n)
-    j = torch.arange(m)[None, :]
-    return torch.zeros(n, m, dtype=dtype).masked_fill(j > i, float("-inf"))
+def masked(n, m):
+    """(N, M) True where query i must not see key j (causal, aligned bottom-right)."""
+    return torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n)
 
 
 def eager_v2(q, k, v, logit, causal=True):
     """q (B, N, 2H, d), k, v (B, M, Hkv, d), logit (B, N, H) -> (B, N, H, d)."""
     b, n, h2, d = q.shape
     m, hkv = k.shape[1], k.shape[2]
-    q = q.transpose(1, 2)                                   # (B, 2H, N, d)
+    q = q.transpose(1, 2) * (1 / math.sqrt(d))              # (B, 2H, N, d), scaled as the reference
     k = k.transpose(1, 2).repeat_interleave(h2 // hkv, 1)  # (B, 2H, M, d)
     v = v.transpose(1, 2).repeat_interleave(h2 // hkv, 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    s = q @ k.transpose(-1, -2)
     if causal:
-        s = s + causal_mask(n, m, s.dtype)
+        s.masked_fill_(masked(n, m), float("-inf"))         # in place, as the reference's +=
     a = torch.softmax(s, dim=-1)
     o = (a @ v).view(b, h2 // 2, 2, n, d)
     lam = torch.sigmoid(logit).transpose(1, 2)[..., None]  # (B, H, N, 1)
@@ -61,12 +60,12 @@ def eager_v1(q, k, v, lam, causal=True):
     b, n, h2, d = q.shape
     m, hkv = k.shape[1], v.shape[2]
     rep = h2 // 2 // hkv
-    q = q.transpose(1, 2)                                                  # (B, 2H, N, d)
+    q = q.transpose(1, 2) * (1 / math.sqrt(d))                             # (B, 2H, N, d)
     k = k.transpose(1, 2).reshape(b, hkv, 2, m, d).repeat_interleave(rep, 1).reshape(b, h2, m, d)
     v = v.transpose(1, 2).repeat_interleave(rep, 1)                        # (B, H, M, 2d)
-    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    s = q @ k.transpose(-1, -2)
     if causal:
-        s = s + causal_mask(n, m, s.dtype)
+        s.masked_fill_(masked(n, m), float("-inf"))
     a = torch.softmax(s, dim=-1).view(b, h2 // 2, 2, n, m)
     w = a[:, :, 0] - lam * a[:, :, 1]
     return (w @ v).transpose(1, 2)

@@ -19,15 +19,26 @@ def visible(n, m, causal=False, window_left=-1, window_right=-1):
     return vis
 
 
-def softmax_map(q, k, scale, vis):
+def softmax_map(q, k, scale, vis, softcap=0.0, slope=None, sink=None):
     """A (N, M) and lse (N) of softmax(scale q k^T) over the visible keys;
-    rows that see no key: zeros and -inf."""
+    rows that see no key: zeros and -inf. Score modifiers: softcap
+    (softcap tanh(s / softcap)), then an ALiBi slope (s -= slope |i + M - N - j|),
+    and a sink (exp(sink) joins each row's denominator)."""
     s = scale * (q.astype(np.float64) @ k.astype(np.float64).T)
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    n, m = s.shape
+    if slope is not None:
+        s = s - slope * np.abs(np.arange(n)[:, None] + m - n - np.arange(m)[None, :])
     s = np.where(vis, s, -np.inf)
     mx = s.max(axis=1, keepdims=True) if s.shape[1] else np.full((s.shape[0], 1), -np.inf)
+    if sink is not None:
+        mx = np.maximum(mx, sink)
     mx = np.where(np.isfinite(mx), mx, 0.0)
     e = np.where(vis, np.exp(s - mx), 0.0)
     tot = e.sum(axis=1, keepdims=True)
+    if sink is not None:
+        tot = tot + np.exp(sink - mx)
     a = np.where(tot > 0, e / np.where(tot > 0, tot, 1.0), 0.0)
     with np.errstate(divide="ignore"):
         lse = np.where(tot[:, 0] > 0, np.log(np.where(tot[:, 0] > 0, tot[:, 0], 1.0)) + mx[:, 0],
@@ -64,7 +75,13 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def v2(q, k, v, logit, causal=False, window_left=-1, window_right=-1, scale=0.0):
+def _mods(j, softcap, alibi, sinks):
+    return dict(softcap=softcap, slope=None if alibi is None else float(alibi[j]),
+                sink=None if sinks is None else float(sinks[j]))
+
+
+def v2(q, k, v, logit, causal=False, window_left=-1, window_right=-1, scale=0.0, softcap=0.0,
+       alibi=None, sinks=None):
     """q (B, N, 2H, d), k, v (B, M, Hkv, d), logit (B, N, H) -> out (B, N, H, d), lse (B, 2H, N)."""
     b_, n, h2, d = q.shape
     m, hkv = k.shape[1], k.shape[2]
@@ -77,15 +94,18 @@ def v2(q, k, v, logit, causal=False, window_left=-1, window_right=-1, scale=0.0)
     for b in range(b_):
         for hh in range(h):
             g = 2 * hh // group
-            a1, l1 = softmax_map(q[b, :, 2 * hh], k[b, :, g], s, vis)
-            a2, l2 = softmax_map(q[b, :, 2 * hh + 1], k[b, :, g], s, vis)
+            a1, l1 = softmax_map(q[b, :, 2 * hh], k[b, :, g], s, vis,
+                                 **_mods(2 * hh, softcap, alibi, sinks))
+            a2, l2 = softmax_map(q[b, :, 2 * hh + 1], k[b, :, g], s, vis,
+                                 **_mods(2 * hh + 1, softcap, alibi, sinks))
             lam = sigmoid(logit[b, :, hh].astype(np.float64))[:, None]
             out[b, :, hh] = (a1 - lam * a2) @ v[b, :, g].astype(np.float64)
             lse[b, 2 * hh], lse[b, 2 * hh + 1] = l1, l2
     return out, lse
 
 
-def plain(q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0):
+def plain(q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0, softcap=0.0,
+          alibi=None, sinks=None):
     """q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv) -> out (B, N, Hq, dv), lse (B, Hq, N)."""
     b_, n, hq, d = q.shape
     m, hkv = k.shape[1], k.shape[2]
@@ -96,7 +116,8 @@ def plain(q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0):
     lse = np.zeros((b_, hq, n))
     for b in range(b_):
         for j in range(hq):
-            a, l_ = softmax_map(q[b, :, j], k[b, :, j // group], s, vis)
+            a, l_ = softmax_map(q[b, :, j], k[b, :, j // group], s, vis,
+                                **_mods(j, softcap, alibi, sinks))
             out[b, :, j] = a @ v[b, :, j // group].astype(np.float64)
             lse[b, j] = l_
     return out, lse

@@ -377,6 +377,37 @@ def test_threads_and_gil():
         assert np.array_equal(r, want)  # bitwise for any thread count
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_score_modifiers(dtype):
+    n, m, h, hkv, d = 7, 12, 2, 1, 8
+    q, k, v = rand(1, n, 2 * h, d, dtype=dtype), rand(1, m, hkv, d, dtype=dtype), \
+        rand(1, m, hkv, d, dtype=dtype)
+    logit = rand(1, n, h, dtype=dtype)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    sinks = np.array([0.25, -1.0, 2.0, 0.0])  # float32 values: the options hold float32
+    mods = dict(softcap=5.0, alibi_slopes=slopes, sinks=sinks)
+    out, lse = diffattn.attention(q, k, v, causal=True, **mods)
+    want, want_lse = ref.plain(q, k, v, causal=True, softcap=5.0, alibi=slopes, sinks=sinks)
+    close(out, want, dtype, scale=4)
+    close(lse, want_lse, dtype, scale=4)
+    out, lse = diffattn.diff_attention_v2(q, k, v, logit, causal=True, **mods)
+    want, _ = ref.v2(q, k, v, logit, causal=True, softcap=5.0, alibi=slopes, sinks=sinks)
+    close(out, want, dtype, scale=4)
+    if dtype == np.float64:  # dsinks against finite differences of the reference
+        g = np.random.default_rng(1).standard_normal(out.shape)
+        dsinks = np.zeros(4)
+        diffattn.diff_attention_v2_backward(q, k, v, logit, out, lse, g, causal=True, dsinks=dsinks,
+                                            **mods)
+        u = np.random.default_rng(2).standard_normal(4)
+        eps = 1e-6
+        f = lambda sk: np.sum(g * ref.v2(q, k, v, logit, causal=True, softcap=5.0, alibi=slopes,
+                                         sinks=sk)[0])
+        num = (f(sinks + eps * u) - f(sinks - eps * u)) / (2 * eps)
+        assert abs(num - np.sum(dsinks * u)) <= 1e-6 * max(1, abs(num))
+    with pytest.raises(ValueError, match="sinks"):
+        diffattn.attention(q, k, v, sinks=np.zeros(3))
+
+
 def test_isa():
     assert diffattn.isa() in diffattn.isa_variants()
     assert diffattn.isa() != "native"  # the module runs the dispatch library

@@ -180,3 +180,23 @@ def test_torch_state_dict_in_safetensors(tmp_path, version):
         e, 3, h, hkv, dtype=torch.float64)
     mod.load_state_dict(ref.state_dict())
     assert np.max(np.abs(mod(x).detach().numpy() - y)) <= 1e-12 * np.max(np.abs(y))
+
+
+def test_layer_score_modifiers():
+    layer = diffattn.MultiheadDiffAttnV2(32, 0, 2, 1, softcap=30.0, alibi=True, sinks=True,
+                                         dtype=np.float64, seed=6)
+    p = layer.parameters()
+    assert p["sinks"].shape == (4,)
+    x = RNG.standard_normal((1, 6, 32))
+    g = RNG.standard_normal((1, 6, 32))
+    layer.zero_grad()
+    layer.forward(x)
+    layer.backward(g)
+    eps, u = 1e-6, RNG.standard_normal(4)
+    p["sinks"][:] += eps * u
+    plus = np.sum(g * layer.forward(x))
+    p["sinks"][:] -= 2 * eps * u
+    minus = np.sum(g * layer.forward(x))
+    p["sinks"][:] += eps * u
+    num = (plus - minus) / (2 * eps)
+    assert abs(num - np.sum(layer.gradients()["sinks"] * u)) <= 1e-7 * max(1, abs(num))

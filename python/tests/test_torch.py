@@ -145,3 +145,26 @@ def test_errors_from_torch():
         dt.diff_attention_v2(q, q[:, :, :1], q[:, :, :1], torch.zeros(1, 4, 1))
     with pytest.raises(ValueError, match="dtype torch.int64"):
         dt.attention(q.long(), q.long(), q.long())
+
+
+def test_score_modifiers():
+    n, m, h, hkv, d = 4, 6, 2, 1, 4
+    q, k, v, logit = r(1, n, 2 * h, d), r(1, m, hkv, d), r(1, m, hkv, d), r(1, n, h)
+    mods = dict(softcap=3.0, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+                sinks=torch.tensor([0.1, -0.5, 1.0, 0.0], dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda *a: dt.diff_attention_v2(*a, causal=True, **mods),
+                                    (q, k, v, logit))
+    sinks = mods["sinks"].clone().requires_grad_()
+    out = dt.diff_attention_v2(q, k, v, logit, causal=True, **dict(mods, sinks=sinks))
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref_out, lse = diffattn.diff_attention_v2(*(t.detach().numpy() for t in (q, k, v, logit)),
+                                              causal=True, **{**mods, "sinks": sinks.detach().numpy(),
+                                                              "alibi_slopes": mods["alibi_slopes"].numpy()})
+    assert np.allclose(out.detach().numpy(), ref_out)
+    ds = np.zeros(4)
+    diffattn.diff_attention_v2_backward(*(t.detach().numpy() for t in (q, k, v, logit)), ref_out, lse,
+                                        g.numpy(), causal=True, dsinks=ds, softcap=3.0,
+                                        alibi_slopes=mods["alibi_slopes"].numpy(),
+                                        sinks=sinks.detach().numpy())
+    assert np.allclose(sinks.grad.numpy(), ds) and np.any(ds != 0)
