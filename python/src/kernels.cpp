@@ -19,8 +19,7 @@ py::object visit_pair(const char* fn, DType tq, DType tk, F&& f) {
   if (tq == dtype_v<T> && tk == dtype_v<KV>) return f(Tag<T>{}, Tag<KV>{});
   DIFFATTN_FORWARD_STORAGE(DIFFATTN_PY_PAIR)
 #undef DIFFATTN_PY_PAIR
-  fail(fn, "no kernel for q of dtype ", dtype_name(tq), " over a cache of dtype ",
-       dtype_name(tk),
+  fail(fn, "no kernel for q of dtype ", dtype_name(tq), " over a cache of dtype ", dtype_name(tk),
        ": the cache holds q's type, bfloat16 or float16 (any float query), or int8 or "
        "float8_e4m3 (float32, bfloat16 or float16 queries)");
 }
@@ -51,6 +50,35 @@ std::array<index_t, R> shape_of(const TensorView<const T, R>& t) {
   return t.shape();
 }
 
+/// What every backward binding takes and gives: views of q, k, v, out (rank
+/// R), lse (rank R - 1) and dout, and dq, dk, dv (the arrays given, or new
+/// ones of q's, k's and v's shapes) with views over them.
+template <class T, std::size_t R>
+struct BackwardArgs {
+  TensorView<const T, R> q, k, v, out;
+  TensorView<const T, R - 1> lse;
+  TensorView<const T, R> dout;
+  py::array dq, dk, dv;
+  TensorView<T, R> dqv, dkv, dvv;
+
+  BackwardArgs(const char* fn, const py::array& q_, const py::array& k_, const py::array& v_,
+               const py::array& out_, const py::array& lse_, const py::array& dout_,
+               const py::object& dq_ = py::none(), const py::object& dk_ = py::none(),
+               const py::object& dv_ = py::none())
+      : q(view_of<const T, R>(fn, "q", q_)),
+        k(view_of<const T, R>(fn, "k", k_)),
+        v(view_of<const T, R>(fn, "v", v_)),
+        out(view_of<const T, R>(fn, "out", out_)),
+        lse(view_of<const T, R - 1>(fn, "lse", lse_)),
+        dout(view_of<const T, R>(fn, "dout", dout_)),
+        dq(output<T, R>(fn, "dq", dq_, q.shape())),
+        dk(output<T, R>(fn, "dk", dk_, k.shape())),
+        dv(output<T, R>(fn, "dv", dv_, v.shape())),
+        dqv(view_of<T, R>(fn, "dq", dq)),
+        dkv(view_of<T, R>(fn, "dk", dk)),
+        dvv(view_of<T, R>(fn, "dv", dv)) {}
+};
+
 /// The seqs argument of the packed kernels: a PackedSequences, or the
 /// cumulative query offsets (cu_seqlens_q) with cu_seqlens_k optional.
 PackedSequences seqs_arg(const char* fn, const py::object& seqs, const py::object& cu_k) {
@@ -68,7 +96,8 @@ void bind_fused(py::module_& m) {
   m.def(
       "diff_attention_v1",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
-         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
+         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap,
+         const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
@@ -106,9 +135,10 @@ out (B, N, H, 2d), lse (B, 2H, N) in float32 for 16-bit storage.)doc");
 
   m.def(
       "diff_attention_v2",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
-         const py::object& out_, const py::object& lse_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
+         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap,
+         const py::object& alibi, const py::object& sinks, const py::object& out_,
+         const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
@@ -142,9 +172,9 @@ out (B, N, H, d), lse (B, 2H, N).)doc");
 
   m.def(
       "attention",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, bool causal,
-         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
-         const py::object& lse_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, bool causal, index_t wl,
+         index_t wr, double scale, int nt, double softcap, const py::object& alibi,
+         const py::object& sinks, const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "attention";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
@@ -179,55 +209,44 @@ void bind_backward(py::module_& m) {
       "diff_attention_v1_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& out_, const py::handle& lse_, const py::handle& dout_, bool causal,
-         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& dq_,
-         const py::object& dk_, const py::object& dv_, const py::object& dsinks_) {
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi,
+         const py::object& sinks, const py::object& dq_, const py::object& dk_,
+         const py::object& dv_, const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v1_backward";
-        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
-                        out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
+        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
+                        lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 4>(fn, "q", q);
-              const auto kv = view_of<const T, 4>(fn, "k", k);
-              const auto vv = view_of<const T, 4>(fn, "v", v);
-              const auto ov = view_of<const T, 4>(fn, "out", out);
-              const auto lv = view_of<const T, 3>(fn, "lse", lse);
-              const auto gv = view_of<const T, 4>(fn, "dout", dout);
-              py::array dq = output<T, 4>(fn, "dq", dq_, qv.shape());
-              py::array dk = output<T, 4>(fn, "dk", dk_, kv.shape());
-              py::array dv = output<T, 4>(fn, "dv", dv_, vv.shape());
-              const auto dqv = view_of<T, 4>(fn, "dq", dq);
-              const auto dkv = view_of<T, 4>(fn, "dk", dk);
-              const auto dvv = view_of<T, 4>(fn, "dv", dv);
-              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
-              const Lambda l = lambda_arg<T>(fn, lam);
-              if (l.scalar) {
-                T dl = 0;
-                {
-                  py::gil_scoped_release nogil;
-                  diffattn::diff_attention_v1_backward<T>(qv, kv, vv, static_cast<T>(l.value), ov,
-                                                          lv, gv, dqv, dkv, dvv, dl, o, dsv);
-                }
-                return py::make_tuple(dq, dk, dv, py::float_(static_cast<double>(dl)));
-              }
-              const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
-              py::array dl = new_array<T, 1>(lh.shape());
-              const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::diff_attention_v1_backward<T>(qv, kv, vv, lh, ov, lv, gv, dqv, dkv, dvv,
-                                                        dlv, o, dsv);
-              }
-              return py::make_tuple(dq, dk, dv, dl);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
+          const Lambda l = lambda_arg<T>(fn, lam);
+          if (l.scalar) {
+            T dl = 0;
+            {
+              py::gil_scoped_release nogil;
+              diffattn::diff_attention_v1_backward<T>(a.q, a.k, a.v, static_cast<T>(l.value), a.out,
+                                                      a.lse, a.dout, a.dqv, a.dkv, a.dvv, dl, o,
+                                                      dsv);
+            }
+            return py::make_tuple(a.dq, a.dk, a.dv, py::float_(static_cast<double>(dl)));
+          }
+          const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
+          py::array dl = new_array<T, 1>(lh.shape());
+          const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::diff_attention_v1_backward<T>(a.q, a.k, a.v, lh, a.out, a.lse, a.dout, a.dqv,
+                                                    a.dkv, a.dvv, dlv, o, dsv);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv, dl);
+        });
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"),
-      py::arg("lse"), py::arg("dout"), py::kw_only(), DIFFATTN_PY_OPTION_ARGS,
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"), py::arg("lse"),
+      py::arg("dout"), py::kw_only(), DIFFATTN_PY_OPTION_ARGS, py::arg("dq") = py::none(),
+      py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
       R"doc(Backward of diff_attention_v1: returns (dq, dk, dv, dlambda).
 
 Takes the forward's arguments, its out and lse, and dout = dL/dout. dlambda is a
@@ -236,85 +255,63 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
 
   m.def(
       "diff_attention_v2_backward",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, const py::handle& out_, const py::handle& lse_,
-         const py::handle& dout_, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
-         const py::object& dq_, const py::object& dk_, const py::object& dv_, const py::object& dsinks_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
+         const py::handle& out_, const py::handle& lse_, const py::handle& dout_, bool causal,
+         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi,
+         const py::object& sinks, const py::object& dq_, const py::object& dk_,
+         const py::object& dv_, const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v2_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_), out = as_array(out_), lse = as_array(lse_),
                         dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 4>(fn, "q", q);
-              const auto kv = view_of<const T, 4>(fn, "k", k);
-              const auto vv = view_of<const T, 4>(fn, "v", v);
-              const auto gl = view_of<const T, 3>(fn, "lambda_logit", logit);
-              const auto ov = view_of<const T, 4>(fn, "out", out);
-              const auto lv = view_of<const T, 3>(fn, "lse", lse);
-              const auto gv = view_of<const T, 4>(fn, "dout", dout);
-              py::array dq = output<T, 4>(fn, "dq", dq_, qv.shape());
-              py::array dk = output<T, 4>(fn, "dk", dk_, kv.shape());
-              py::array dv = output<T, 4>(fn, "dv", dv_, vv.shape());
-              py::array dlog = new_array<T, 3>(gl.shape());
-              const auto dqv = view_of<T, 4>(fn, "dq", dq);
-              const auto dkv = view_of<T, 4>(fn, "dk", dk);
-              const auto dvv = view_of<T, 4>(fn, "dv", dv);
-              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
-              const auto dlv = view_of<T, 3>(fn, "dlambda_logit", dlog);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::diff_attention_v2_backward<T>(qv, kv, vv, gl, ov, lv, gv, dqv, dkv, dvv,
-                                                        dlv, o, dsv);
-              }
-              return py::make_tuple(dq, dk, dv, dlog);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
+          const auto gl = view_of<const T, 3>(fn, "lambda_logit", logit);
+          py::array dlog = new_array<T, 3>(gl.shape());
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dlv = view_of<T, 3>(fn, "dlambda_logit", dlog);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::diff_attention_v2_backward<T>(a.q, a.k, a.v, gl, a.out, a.lse, a.dout, a.dqv,
+                                                    a.dkv, a.dvv, dlv, o, dsv);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv, dlog);
+        });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_logit"), py::arg("out"),
       py::arg("lse"), py::arg("dout"), py::kw_only(), DIFFATTN_PY_OPTION_ARGS,
-      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(), py::arg("dsinks") = py::none(),
+      py::arg("dq") = py::none(), py::arg("dk") = py::none(), py::arg("dv") = py::none(),
+      py::arg("dsinks") = py::none(),
       R"doc(Backward of diff_attention_v2: returns (dq, dk, dv, dlambda_logit).)doc");
 
   m.def(
       "attention_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& out_,
          const py::handle& lse_, const py::handle& dout_, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& dq_, const py::object& dk_,
-         const py::object& dv_, const py::object& dsinks_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& dq_, const py::object& dk_, const py::object& dv_,
+         const py::object& dsinks_) {
         constexpr const char* fn = "attention_backward";
-        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
-                        out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
+        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
+                        lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 4>(fn, "q", q);
-              const auto kv = view_of<const T, 4>(fn, "k", k);
-              const auto vv = view_of<const T, 4>(fn, "v", v);
-              const auto ov = view_of<const T, 4>(fn, "out", out);
-              const auto lv = view_of<const T, 3>(fn, "lse", lse);
-              const auto gv = view_of<const T, 4>(fn, "dout", dout);
-              py::array dq = output<T, 4>(fn, "dq", dq_, qv.shape());
-              py::array dk = output<T, 4>(fn, "dk", dk_, kv.shape());
-              py::array dv = output<T, 4>(fn, "dv", dv_, vv.shape());
-              const auto dqv = view_of<T, 4>(fn, "dq", dq);
-              const auto dkv = view_of<T, 4>(fn, "dk", dk);
-              const auto dvv = view_of<T, 4>(fn, "dv", dv);
-              const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                                 : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
-              {
-                py::gil_scoped_release nogil;
-                diffattn::attention_backward<T>(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dsv);
-              }
-              return py::make_tuple(dq, dk, dv);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
+                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
+          {
+            py::gil_scoped_release nogil;
+            diffattn::attention_backward<T>(a.q, a.k, a.v, a.out, a.lse, a.dout, a.dqv, a.dkv,
+                                            a.dvv, o, dsv);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv);
+        });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
       py::kw_only(), DIFFATTN_PY_OPTION_ARGS, py::arg("dq") = py::none(),
@@ -354,7 +351,8 @@ void bind_kvcache(py::module_& m) {
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& lens, const py::object& table, const py::object& ks,
          const py::object& vs, index_t split_keys, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
@@ -376,8 +374,8 @@ void bind_kvcache(py::module_& m) {
           const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
             py::gil_scoped_release nogil;
-            diffattn::diff_attention_v1_kvcache<T, KV>(qv, kv, vv, static_cast<C>(l.value), ov,
-                                                       lv, c.batch, o);
+            diffattn::diff_attention_v1_kvcache<T, KV>(qv, kv, vv, static_cast<C>(l.value), ov, lv,
+                                                       c.batch, o);
           } else {
             const auto lh = view_of<const C, 1>(fn, "lambda_", l.per_head);
             py::gil_scoped_release nogil;
@@ -400,10 +398,11 @@ caches take k_scale / v_scale (B, capacity, H) float32).)doc");
 
   m.def(
       "diff_attention_v2_kvcache",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, const py::handle& lens, const py::object& table,
-         const py::object& ks, const py::object& vs, index_t split_keys, bool causal, index_t wl,
-         index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
+         const py::handle& lens, const py::object& table, const py::object& ks,
+         const py::object& vs, index_t split_keys, bool causal, index_t wl, index_t wr,
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
@@ -442,7 +441,8 @@ with k_cache, v_cache (B, capacity, Hkv, d) and lambda_logit (B, n, H).)doc");
       "attention_kvcache",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& lens,
          const py::object& table, const py::object& ks, const py::object& vs, index_t split_keys,
-         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
+         bool causal, index_t wl, index_t wr, double scale, int nt, double softcap,
+         const py::object& alibi, const py::object& sinks, const py::object& out_,
          const py::object& lse_) {
         constexpr const char* fn = "attention_kvcache";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
@@ -469,8 +469,8 @@ with k_cache, v_cache (B, capacity, Hkv, d) and lambda_logit (B, n, H).)doc");
           return py::make_tuple(out, lse);
         });
       },
-      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_seqlens"),
-      py::kw_only(), py::arg("block_table") = py::none(), py::arg("k_scale") = py::none(),
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_seqlens"), py::kw_only(),
+      py::arg("block_table") = py::none(), py::arg("k_scale") = py::none(),
       py::arg("v_scale") = py::none(), py::arg("split_keys") = 0, DIFFATTN_PY_OPTION_ARGS,
       py::arg("out") = py::none(), py::arg("lse") = py::none(),
       R"doc(Plain attention over KV caches: returns (out, lse).)doc");
@@ -498,7 +498,8 @@ void bind_varlen(py::module_& m) {
       "diff_attention_v1_varlen",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v1_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
@@ -518,8 +519,8 @@ void bind_varlen(py::module_& m) {
           const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
             py::gil_scoped_release nogil;
-            diffattn::diff_attention_v1_varlen<T>(qv, kv, vv, static_cast<C>(l.value), ov, lv,
-                                                  seqs, o);
+            diffattn::diff_attention_v1_varlen<T>(qv, kv, vv, static_cast<C>(l.value), ov, lv, seqs,
+                                                  o);
           } else {
             const auto lh = view_of<const C, 1>(fn, "lambda_", l.per_head);
             py::gil_scoped_release nogil;
@@ -528,9 +529,9 @@ void bind_varlen(py::module_& m) {
           return py::make_tuple(out, lse);
         });
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("seqs"),
-      py::kw_only(), py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS,
-      py::arg("out") = py::none(), py::arg("lse") = py::none(),
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("seqs"), py::kw_only(),
+      py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS, py::arg("out") = py::none(),
+      py::arg("lse") = py::none(),
       R"doc(diff_attention_v1 over a packed batch: returns (out, lse).
 
 q (T, 2H, d), k (T_k, 2Hkv, d), v (T_k, Hkv, 2d); seqs a PackedSequences or the
@@ -539,10 +540,10 @@ lse (2H, T).)doc");
 
   m.def(
       "diff_attention_v2_varlen",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, const py::object& seqs_, const py::object& cu_k, bool causal,
-         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
-         const py::object& lse_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
+         const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& out_, const py::object& lse_) {
         constexpr const char* fn = "diff_attention_v2_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_);
@@ -575,9 +576,10 @@ lse (2H, T).)doc");
 
   m.def(
       "attention_varlen",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_, const py::object& lse_) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& seqs_,
+         const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt,
+         double softcap, const py::object& alibi, const py::object& sinks, const py::object& out_,
+         const py::object& lse_) {
         constexpr const char* fn = "attention_varlen";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
@@ -603,7 +605,8 @@ lse (2H, T).)doc");
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqs"), py::kw_only(),
       py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS, py::arg("out") = py::none(),
-      py::arg("lse") = py::none(), R"doc(Plain attention over a packed batch: returns (out, lse).)doc");
+      py::arg("lse") = py::none(),
+      R"doc(Plain attention over a packed batch: returns (out, lse).)doc");
 
   m.def(
       "diff_attention_v1_varlen_backward",
@@ -612,58 +615,47 @@ lse (2H, T).)doc");
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
          double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "diff_attention_v1_varlen_backward";
-        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
-                        out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
+        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
+                        lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 3>(fn, "q", q);
-              const auto kv = view_of<const T, 3>(fn, "k", k);
-              const auto vv = view_of<const T, 3>(fn, "v", v);
-              const auto ov = view_of<const T, 3>(fn, "out", out);
-              const auto lv = view_of<const T, 2>(fn, "lse", lse);
-              const auto gv = view_of<const T, 3>(fn, "dout", dout);
-              py::array dq = new_array<T, 3>(qv.shape()), dk = new_array<T, 3>(kv.shape()),
-                        dv = new_array<T, 3>(vv.shape());
-              const auto dqv = view_of<T, 3>(fn, "dq", dq);
-              const auto dkv = view_of<T, 3>(fn, "dk", dk);
-              const auto dvv = view_of<T, 3>(fn, "dv", dv);
-              const Lambda l = lambda_arg<T>(fn, lam);
-              if (l.scalar) {
-                T dl = 0;
-                {
-                  py::gil_scoped_release nogil;
-                  diffattn::diff_attention_v1_varlen_backward<T>(
-                      qv, kv, vv, static_cast<T>(l.value), ov, lv, gv, dqv, dkv, dvv, dl, seqs, o);
-                }
-                return py::make_tuple(dq, dk, dv, py::float_(static_cast<double>(dl)));
-              }
-              const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
-              py::array dl = new_array<T, 1>(lh.shape());
-              const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::diff_attention_v1_varlen_backward<T>(qv, kv, vv, lh, ov, lv, gv, dqv,
-                                                               dkv, dvv, dlv, seqs, o);
-              }
-              return py::make_tuple(dq, dk, dv, dl);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          const Lambda l = lambda_arg<T>(fn, lam);
+          if (l.scalar) {
+            T dl = 0;
+            {
+              py::gil_scoped_release nogil;
+              diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, static_cast<T>(l.value),
+                                                             a.out, a.lse, a.dout, a.dqv, a.dkv,
+                                                             a.dvv, dl, seqs, o);
+            }
+            return py::make_tuple(a.dq, a.dk, a.dv, py::float_(static_cast<double>(dl)));
+          }
+          const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
+          py::array dl = new_array<T, 1>(lh.shape());
+          const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, lh, a.out, a.lse, a.dout,
+                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv, dl);
+        });
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"),
-      py::arg("lse"), py::arg("dout"), py::arg("seqs"), py::kw_only(),
-      py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS,
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"), py::arg("lse"),
+      py::arg("dout"), py::arg("seqs"), py::kw_only(), py::arg("cu_seqlens_k") = py::none(),
+      DIFFATTN_PY_OPTION_ARGS,
       R"doc(Backward of diff_attention_v1_varlen: returns (dq, dk, dv, dlambda).)doc");
 
   m.def(
       "diff_attention_v2_varlen_backward",
-      [](const py::handle& q_, const py::handle& k_, const py::handle& v_,
-         const py::handle& logit_, const py::handle& out_, const py::handle& lse_,
-         const py::handle& dout_, const py::object& seqs_, const py::object& cu_k, bool causal,
-         index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
+      [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
+         const py::handle& out_, const py::handle& lse_, const py::handle& dout_,
+         const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "diff_attention_v2_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_), out = as_array(out_), lse = as_array(lse_),
@@ -671,30 +663,19 @@ lse (2H, T).)doc");
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 3>(fn, "q", q);
-              const auto kv = view_of<const T, 3>(fn, "k", k);
-              const auto vv = view_of<const T, 3>(fn, "v", v);
-              const auto gl = view_of<const T, 2>(fn, "lambda_logit", logit);
-              const auto ov = view_of<const T, 3>(fn, "out", out);
-              const auto lv = view_of<const T, 2>(fn, "lse", lse);
-              const auto gv = view_of<const T, 3>(fn, "dout", dout);
-              py::array dq = new_array<T, 3>(qv.shape()), dk = new_array<T, 3>(kv.shape()),
-                        dv = new_array<T, 3>(vv.shape()), dlog = new_array<T, 2>(gl.shape());
-              const auto dqv = view_of<T, 3>(fn, "dq", dq);
-              const auto dkv = view_of<T, 3>(fn, "dk", dk);
-              const auto dvv = view_of<T, 3>(fn, "dv", dv);
-              const auto dlv = view_of<T, 2>(fn, "dlambda_logit", dlog);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::diff_attention_v2_varlen_backward<T>(qv, kv, vv, gl, ov, lv, gv, dqv,
-                                                               dkv, dvv, dlv, seqs, o);
-              }
-              return py::make_tuple(dq, dk, dv, dlog);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          const auto gl = view_of<const T, 2>(fn, "lambda_logit", logit);
+          py::array dlog = new_array<T, 2>(gl.shape());
+          const auto dlv = view_of<T, 2>(fn, "dlambda_logit", dlog);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::diff_attention_v2_varlen_backward<T>(a.q, a.k, a.v, gl, a.out, a.lse, a.dout,
+                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv, dlog);
+        });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_logit"), py::arg("out"),
       py::arg("lse"), py::arg("dout"), py::arg("seqs"), py::kw_only(),
@@ -705,39 +686,28 @@ lse (2H, T).)doc");
       "attention_varlen_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& out_,
          const py::handle& lse_, const py::handle& dout_, const py::object& seqs_,
-         const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
+         const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt,
+         double softcap, const py::object& alibi, const py::object& sinks) {
         constexpr const char* fn = "attention_varlen_backward";
-        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
-                        out = as_array(out_), lse = as_array(lse_), dout = as_array(dout_);
+        const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
+                        lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(
-            fn, "q", dtype_of(q),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto qv = view_of<const T, 3>(fn, "q", q);
-              const auto kv = view_of<const T, 3>(fn, "k", k);
-              const auto vv = view_of<const T, 3>(fn, "v", v);
-              const auto ov = view_of<const T, 3>(fn, "out", out);
-              const auto lv = view_of<const T, 2>(fn, "lse", lse);
-              const auto gv = view_of<const T, 3>(fn, "dout", dout);
-              py::array dq = new_array<T, 3>(qv.shape()), dk = new_array<T, 3>(kv.shape()),
-                        dv = new_array<T, 3>(vv.shape());
-              const auto dqv = view_of<T, 3>(fn, "dq", dq);
-              const auto dkv = view_of<T, 3>(fn, "dk", dk);
-              const auto dvv = view_of<T, 3>(fn, "dv", dv);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::attention_varlen_backward<T>(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, seqs,
-                                                       o);
-              }
-              return py::make_tuple(dq, dk, dv);
-            });
+        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::attention_varlen_backward<T>(a.q, a.k, a.v, a.out, a.lse, a.dout, a.dqv,
+                                                   a.dkv, a.dvv, seqs, o);
+          }
+          return py::make_tuple(a.dq, a.dk, a.dv);
+        });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
-      py::arg("seqs"), py::kw_only(), py::arg("cu_seqlens_k") = py::none(),
-      DIFFATTN_PY_OPTION_ARGS, R"doc(Backward of attention_varlen: returns (dq, dk, dv).)doc");
+      py::arg("seqs"), py::kw_only(), py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS,
+      R"doc(Backward of attention_varlen: returns (dq, dk, dv).)doc");
 }
 
 template <class T>
@@ -747,7 +717,8 @@ template <class T>
 RowMap<T> matrix_of(const char* fn, const char* name, const py::array& a) {
   const auto v = view_of<const T, 2>(fn, name, a);
   if (v.shape(1) > 1 && v.stride(1) != 1)
-    fail(fn, name, " has a column stride of ", v.stride(1), " elements: its rows must be contiguous");
+    fail(fn, name, " has a column stride of ", v.stride(1),
+         " elements: its rows must be contiguous");
   return RowMap<T>(v.data(), v.shape(0), v.shape(1),
                    Eigen::OuterStride<>(v.shape(0) > 1 ? v.stride(0) : v.shape(1)));
 }
@@ -755,25 +726,23 @@ RowMap<T> matrix_of(const char* fn, const char* name, const py::array& a) {
 void bind_misc(py::module_& m) {
   m.def(
       "merge_states",
-      [](const py::handle& oa_, const py::handle& la_, const py::handle& ob_,
-         const py::handle& lb_, int nt) {
+      [](const py::handle& oa_, const py::handle& la_, const py::handle& ob_, const py::handle& lb_,
+         int nt) {
         constexpr const char* fn = "merge_states";
         const py::array oa = as_array(oa_), la = as_array(la_), ob = as_array(ob_),
                         lb = as_array(lb_);
-        return visit_float<false>(
-            fn, "o_a", dtype_of(oa),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const auto oav = view_of<T, 4>(fn, "o_a", oa);
-              const auto lav = view_of<T, 3>(fn, "lse_a", la);
-              const auto obv = view_of<const T, 4>(fn, "o_b", ob);
-              const auto lbv = view_of<const T, 3>(fn, "lse_b", lb);
-              {
-                py::gil_scoped_release nogil;
-                diffattn::merge_states<T>(oav, lav, obv, lbv, nt);
-              }
-              return py::make_tuple(oa, la);
-            });
+        return visit_float<false>(fn, "o_a", dtype_of(oa), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const auto oav = view_of<T, 4>(fn, "o_a", oa);
+          const auto lav = view_of<T, 3>(fn, "lse_a", la);
+          const auto obv = view_of<const T, 4>(fn, "o_b", ob);
+          const auto lbv = view_of<const T, 3>(fn, "lse_b", lb);
+          {
+            py::gil_scoped_release nogil;
+            diffattn::merge_states<T>(oav, lav, obv, lbv, nt);
+          }
+          return py::make_tuple(oa, la);
+        });
       },
       py::arg("o_a"), py::arg("lse_a"), py::arg("o_b"), py::arg("lse_b"), py::kw_only(),
       py::arg("num_threads") = 0,
@@ -783,37 +752,34 @@ o (B, N, Hq, dv), lse (B, Hq, N), float32 or float64.)doc");
 
   m.def(
       "diff_weights",
-      [](const py::handle& q1_, const py::handle& k1_, const py::handle& q2_,
-         const py::handle& k2_, double lambda, bool causal, index_t wl, index_t wr, double scale,
-         bool return_lse) {
+      [](const py::handle& q1_, const py::handle& k1_, const py::handle& q2_, const py::handle& k2_,
+         double lambda, bool causal, index_t wl, index_t wr, double scale, bool return_lse) {
         constexpr const char* fn = "diff_weights";
         const py::array q1 = as_array(q1_), k1 = as_array(k1_), q2 = as_array(q2_),
                         k2 = as_array(k2_);
         const auto o = make_options(causal, wl, wr, scale, 0);
-        return visit_float<false>(
-            fn, "q1", dtype_of(q1),
-            [&](auto tag) -> py::object {
-              using T = typename decltype(tag)::type;
-              const RowMap<T> a = matrix_of<T>(fn, "q1", q1), b = matrix_of<T>(fn, "k1", k1),
-                              c = matrix_of<T>(fn, "q2", q2), d = matrix_of<T>(fn, "k2", k2);
-              diffattn::Matrix<T> w;
-              diffattn::Vector<T> lse1, lse2;
-              {
-                py::gil_scoped_release nogil;
-                w = diffattn::diff_weights<T>(a, b, c, d, static_cast<T>(lambda), o, &lse1, &lse2);
-              }
-              py::array wa = new_array<T, 2>({w.rows(), w.cols()});
-              std::copy(w.data(), w.data() + w.size(), static_cast<T*>(wa.mutable_data()));
-              if (!return_lse) return std::move(wa);
-              py::array l1 = new_array<T, 1>({lse1.size()}), l2 = new_array<T, 1>({lse2.size()});
-              std::copy(lse1.data(), lse1.data() + lse1.size(), static_cast<T*>(l1.mutable_data()));
-              std::copy(lse2.data(), lse2.data() + lse2.size(), static_cast<T*>(l2.mutable_data()));
-              return py::make_tuple(wa, l1, l2);
-            });
+        return visit_float<false>(fn, "q1", dtype_of(q1), [&](auto tag) -> py::object {
+          using T = typename decltype(tag)::type;
+          const RowMap<T> a = matrix_of<T>(fn, "q1", q1), b = matrix_of<T>(fn, "k1", k1),
+                          c = matrix_of<T>(fn, "q2", q2), d = matrix_of<T>(fn, "k2", k2);
+          diffattn::Matrix<T> w;
+          diffattn::Vector<T> lse1, lse2;
+          {
+            py::gil_scoped_release nogil;
+            w = diffattn::diff_weights<T>(a, b, c, d, static_cast<T>(lambda), o, &lse1, &lse2);
+          }
+          py::array wa = new_array<T, 2>({w.rows(), w.cols()});
+          std::copy(w.data(), w.data() + w.size(), static_cast<T*>(wa.mutable_data()));
+          if (!return_lse) return std::move(wa);
+          py::array l1 = new_array<T, 1>({lse1.size()}), l2 = new_array<T, 1>({lse2.size()});
+          std::copy(lse1.data(), lse1.data() + lse1.size(), static_cast<T*>(l1.mutable_data()));
+          std::copy(lse2.data(), lse2.data() + lse2.size(), static_cast<T*>(l2.mutable_data()));
+          return py::make_tuple(wa, l1, l2);
+        });
       },
-      py::arg("q1"), py::arg("k1"), py::arg("q2"), py::arg("k2"), py::arg("lambda_"),
-      py::kw_only(), py::arg("causal") = false, py::arg("window_left") = -1,
-      py::arg("window_right") = -1, py::arg("scale") = 0.0, py::arg("return_lse") = false,
+      py::arg("q1"), py::arg("k1"), py::arg("q2"), py::arg("k2"), py::arg("lambda_"), py::kw_only(),
+      py::arg("causal") = false, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("scale") = 0.0, py::arg("return_lse") = false,
       R"doc(The materialised single-head map W = A1 - lambda A2 (N, M).
 
 q1, q2 (N, d); k1, k2 (M, d); float32 or float64. With return_lse=True returns
@@ -858,9 +824,12 @@ q1, q2 (N, d); k1, k2 (M, d); float32 or float64. With return_lse=True returns
           return by_rank(ts, Tag<std::int8_t>{});
         };
         switch (dtype_of(src)) {
-          case DType::f32: return by_dst(Tag<float>{});
-          case DType::bf16: return by_dst(Tag<bfloat16>{});
-          case DType::f16: return by_dst(Tag<half>{});
+          case DType::f32:
+            return by_dst(Tag<float>{});
+          case DType::bf16:
+            return by_dst(Tag<bfloat16>{});
+          case DType::f16:
+            return by_dst(Tag<half>{});
           default:
             fail(fn, "src has dtype ", dtype_name(dtype_of(src)),
                  ", expected float32, float16 or bfloat16 (its bits as uint16)");
