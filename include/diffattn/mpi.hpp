@@ -64,6 +64,16 @@ namespace mpi {
 /// diffattn::error too (the calls run on a duplicate of `comm` with
 /// MPI_ERRORS_RETURN). A communicator of one rank is the single-process case.
 /// Storage: float or double.
+///
+/// Score modifiers (options.softcap, alibi_slopes, sinks) and user functors
+/// act as in the single-process kernels on the gathered sequence: ALiBi and a
+/// functor's i and j are global positions (the token's index in the whole
+/// sequence, whatever the sharding), h the query head of q. Every pair of
+/// shards gets the softcap, ALiBi and the functor; each map's sink is merged
+/// into its state once, after the ring. The backward's dsinks (Hq), when
+/// given, is summed over every rank's rows, the same bits on every rank. The
+/// ranks check that they pass the same softcap, slopes and sinks; a functor's
+/// members are the caller's to keep alike on every rank.
 /// Sharding and RingStats (the sharding of a call, and what a call did on
 /// the calling rank) are defined with the drivers in detail/mpi/mpi_driver.hpp.
 /// @{
@@ -141,6 +151,72 @@ void attention(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
     return detail::validate_plain<T>(q, k, v, out, lse, options, fn);
   });
 }
+
+/// \name With a user score functor
+/// The forward entry points above with a functor `mod` (as diffattn's
+/// kernels with a functor, NoScoreMod in options.hpp lists its members): its
+/// i and j are global positions in the gathered sequence, h the query head of
+/// q. The ring passes it to every pair of shards, after the softcap and
+/// ALiBi. Collective.
+/// @{
+
+/// mpi::diff_attention_v1 (one lambda) with a user score functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const T, 4> k, detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_t<T> lambda, detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<T, 3> lse, const AttentionOptions& options,
+                       const Mod& mod, Sharding sharding = Sharding::zigzag,
+                       RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
+  detail::ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn); },
+      mod);
+}
+
+/// mpi::diff_attention_v1 (one lambda per DIFF head) with a user score functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const T, 4> k, detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 1> lambda,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options, const Mod& mod,
+                       Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
+  detail::ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn); },
+      mod);
+}
+
+/// mpi::diff_attention_v2 with a user score functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v2(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const T, 4> k, detail::nondeduced_view<const T, 4> v,
+                       detail::nondeduced_view<const T, 3> lambda_logit,
+                       detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+                       const AttentionOptions& options, const Mod& mod,
+                       Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v2";
+  detail::ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options, fn); }, mod);
+}
+
+/// mpi::attention with a user score functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void attention(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+               detail::nondeduced_view<const T, 4> k, detail::nondeduced_view<const T, 4> v,
+               detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
+               const AttentionOptions& options, const Mod& mod,
+               Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::attention";
+  detail::ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return detail::validate_plain<T>(q, k, v, out, lse, options, fn); }, mod);
+}
+/// @}
 
 /// Backward of mpi::diff_attention_v1. Arguments as
 /// diffattn::diff_attention_v1_backward, each the rank's shard: out and lse
@@ -220,6 +296,147 @@ void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
     return detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn);
   });
 }
+
+/// \name Backward with the gradient of the sinks, or a user functor
+/// The backward entry points above with dsinks (Hq) after the options, as
+/// diffattn's backward kernels: the gradient of options.sinks summed over
+/// batch and ALL N rows of the global sequence, the same bits on every rank
+/// (an empty view: not computed; a non-empty one needs options.sinks). With
+/// `mod`, the forward's functor (one with `score` needs `dscore`), its i and
+/// j global positions. Collective.
+/// @{
+
+/// mpi::diff_attention_v1_backward (one lambda) with dsinks.
+template <class T>
+void diff_attention_v1_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
+    Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  diff_attention_v1_backward<T>(comm, q, k, v, lambda, out, lse, dout, dq, dk, dv, dlambda, options,
+                                dsinks, NoScoreMod{}, sharding, stats);
+}
+
+/// mpi::diff_attention_v1_backward (one lambda) with dsinks and the forward's functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v1_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<T> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod,
+    Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  T dl = 0;
+  detail::ring_v1_backward<T>(comm, q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
+                              TensorView<T, 1>(&dl, {1}), options, sharding, stats, dsinks, mod);
+  dlambda = dl;
+}
+
+/// mpi::diff_attention_v1_backward (lambda per DIFF head) with dsinks.
+template <class T>
+void diff_attention_v1_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, Sharding sharding = Sharding::zigzag,
+    RingStats* stats = nullptr) {
+  detail::ring_v1_backward<T>(comm, q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
+                              options, sharding, stats, dsinks);
+}
+
+/// mpi::diff_attention_v1_backward (lambda per DIFF head) with dsinks and the forward's functor
+/// `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v1_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 1> lambda,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod, Sharding sharding = Sharding::zigzag,
+    RingStats* stats = nullptr) {
+  detail::ring_v1_backward<T>(comm, q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
+                              options, sharding, stats, dsinks, mod);
+}
+
+/// mpi::diff_attention_v2_backward with dsinks and the forward's functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void diff_attention_v2_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod, Sharding sharding = Sharding::zigzag,
+    RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v2_backward";
+  detail::ring_backward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] {
+        return detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv,
+                                      dlambda_logit, options, fn);
+      },
+      dsinks, mod);
+}
+
+/// mpi::diff_attention_v2_backward with dsinks.
+template <class T>
+void diff_attention_v2_backward(
+    MPI_Comm comm, detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const T, 4> k,
+    detail::nondeduced_view<const T, 4> v, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const T, 3> lse,
+    detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+    detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, Sharding sharding = Sharding::zigzag,
+    RingStats* stats = nullptr) {
+  diff_attention_v2_backward<T>(comm, q, k, v, lambda_logit, out, lse, dout, dq, dk, dv,
+                                dlambda_logit, options, dsinks, NoScoreMod{}, sharding, stats);
+}
+
+/// mpi::attention_backward with dsinks and the forward's functor `mod`.
+template <class T, class Mod, class = detail::not_sharding_t<Mod>>
+void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const T, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
+                        const Mod& mod, Sharding sharding = Sharding::zigzag,
+                        RingStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::attention_backward";
+  detail::ring_backward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn); },
+      dsinks, mod);
+}
+
+/// mpi::attention_backward with dsinks.
+template <class T>
+void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                        detail::nondeduced_view<const T, 4> k,
+                        detail::nondeduced_view<const T, 4> v,
+                        detail::nondeduced_view<const T, 4> out,
+                        detail::nondeduced_view<const T, 3> lse,
+                        detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
+                        detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
+                        const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
+                        Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
+  attention_backward<T>(comm, q, k, v, out, lse, dout, dq, dk, dv, options, dsinks, NoScoreMod{},
+                        sharding, stats);
+}
+/// @}
 
 /// The rank's shard of a global tensor: its tokens along `axis` (1 for
 /// (B, N, H, D) and (B, N, H); 2 for lse (B, H, N)), copied, contiguous. Throws

@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <diffattn/attention.hpp>
@@ -74,6 +76,13 @@ double tol() {
 enum class Kind { plain, v1, v2 };
 const char* kind_name(Kind k) { return k == Kind::plain ? "plain" : k == Kind::v1 ? "v1" : "v2"; }
 
+/// Score modifiers of a case (options.softcap, alibi_slopes, sinks).
+struct Mods {
+  float softcap = 0;
+  bool alibi = false, sinks = false;
+  bool any() const { return softcap > 0 || alibi || sinks; }
+};
+
 struct Case {
   Kind kind;
   index_t B, N, H, Hkv, d;  // H: DIFF heads (plain: query heads)
@@ -81,20 +90,87 @@ struct Case {
   index_t window_left, window_right;
   Sharding sharding;
   bool per_head = false;  // v1: one lambda per DIFF head
+  Mods mods = {};
 };
+
+/// A user functor over global positions: a score that depends on the pair
+/// (with its derivative), and documents of `doc` tokens (not aligned with the
+/// shards) that see each other, with query head 1 blind in rows 3 .. 5, so
+/// that its rows there see no key (the sink, when there is one, takes them).
+struct DocWarp {
+  index_t doc;
+  template <class S>
+  S score(S s, index_t b, index_t h, index_t i, index_t j) const {
+    return s + S(0.15) * std::tanh(s) * static_cast<S>((b + h + i + 2 * j) % 3);
+  }
+  template <class S>
+  S dscore(S s, index_t b, index_t h, index_t i, index_t j) const {
+    const S t = std::tanh(s);
+    return S(1) + S(0.15) * (S(1) - t * t) * static_cast<S>((b + h + i + 2 * j) % 3);
+  }
+  bool visible(index_t, index_t h, index_t i, index_t j) const {
+    if (h == 1 && i >= 3 && i < 6) return false;
+    return i / doc == j / doc;
+  }
+};
+
+/// DocWarp's mask alone, with visible_block classifying whole chunks.
+struct DocBlocks {
+  index_t doc;
+  bool visible(index_t, index_t, index_t i, index_t j) const { return i / doc == j / doc; }
+  int visible_block(index_t, index_t, index_t i0, index_t i1, index_t j0, index_t j1) const {
+    const index_t qa = i0 / doc, qb = (i1 - 1) / doc, ka = j0 / doc, kb = (j1 - 1) / doc;
+    if (qb < ka || kb < qa) return 0;
+    return qa == qb && ka == kb && qa == ka ? 2 : 1;
+  }
+};
+
+template <class M>
+const char* mod_name() {
+  if (std::is_same<M, DocWarp>::value) return " functor DocWarp";
+  if (std::is_same<M, DocBlocks>::value) return " functor DocBlocks";
+  return "";
+}
 
 std::string describe(const Case& c, const char* type) {
   return diffattn::detail::cat(kind_name(c.kind), "<", type, "> B=", c.B, " N=", c.N, " H=", c.H,
                                " Hkv=", c.Hkv, " d=", c.d, " causal=", c.causal, " window=(",
                                c.window_left, ", ", c.window_right, ") ",
                                diffattn::detail::sharding_name(c.sharding), " W=", g_world,
-                               c.per_head ? " lambda per head" : "");
+                               c.per_head ? " lambda per head" : "", " softcap=", c.mods.softcap,
+                               c.mods.alibi ? " alibi" : "", c.mods.sinks ? " sinks" : "");
 }
 
-/// One case, forward and backward, against the single-process kernels.
+/// True when x holds the same bits on every rank of comm.
 template <class T>
-void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int world) {
-  const std::string name = describe(c, std::is_same<T, float>::value ? "float" : "double");
+bool same_on_all_ranks(MPI_Comm comm, const T* x, index_t n) {
+  std::vector<double> lo(static_cast<std::size_t>(n)), hi;
+  for (index_t i = 0; i < n; ++i) lo[static_cast<std::size_t>(i)] = static_cast<double>(x[i]);
+  hi = lo;
+  MPI_Allreduce(MPI_IN_PLACE, lo.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MIN, comm);
+  MPI_Allreduce(MPI_IN_PLACE, hi.data(), static_cast<int>(n), MPI_DOUBLE, MPI_MAX, comm);
+  for (index_t i = 0; i < n; ++i)
+    if (std::memcmp(&lo[static_cast<std::size_t>(i)], &hi[static_cast<std::size_t>(i)],
+                    sizeof(double)) != 0)
+      return false;
+  return true;
+}
+
+template <class T, std::size_t R>
+bool bitwise_equal(const Tensor<T, R>& a, const Tensor<T, R>& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
+}
+
+/// One case, forward and backward, against the single-process kernels (with
+/// the case's modifiers and the functor mod, NoScoreMod: none). Under
+/// modifiers the ring also runs with 2 threads, which must give the same bits.
+template <class T, class Mod = diffattn::NoScoreMod>
+void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int world,
+              const Mod& mod = Mod()) {
+  constexpr bool kFunctor = !std::is_same<Mod, diffattn::NoScoreMod>::value;
+  const std::string name =
+      describe(c, std::is_same<T, float>::value ? "float" : "double") + mod_name<Mod>();
   const index_t B = c.B, N = c.N, d = c.d;
   const index_t qh = c.kind == Kind::plain ? c.H : 2 * c.H;
   const index_t kh = c.kind == Kind::v1 ? 2 * c.Hkv : c.Hkv;
@@ -111,6 +187,16 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   o.window_left = c.window_left;
   o.window_right = c.window_right;
   o.num_threads = 1;
+  // Modifiers: ALiBi slopes and sinks of every query head, the same on every rank.
+  std::vector<float> slopes(static_cast<std::size_t>(qh)), sinks(slopes.size());
+  for (index_t h = 0; h < qh; ++h) {
+    slopes[static_cast<std::size_t>(h)] = 0.03f + 0.02f * static_cast<float>(h);
+    sinks[static_cast<std::size_t>(h)] = 0.4f * static_cast<float>(h % 3) - 0.3f;
+  }
+  o.softcap = c.mods.softcap;
+  if (c.mods.alibi) o.alibi_slopes = TensorView<const float, 1>(slopes.data(), {qh});
+  if (c.mods.sinks) o.sinks = TensorView<const float, 1>(sinks.data(), {qh});
+  Tensor<T, 1> dsinks({c.mods.sinks ? qh : 0}), dsinksl({c.mods.sinks ? qh : 0});
   // The oracle on the whole sequence.
   Tensor<T, 4> out({B, N, oh, dv}), dq(q.shape()), dk(k.shape()), dvg(v.shape());
   Tensor<T, 3> lse({B, qh, N}), dlogit(logit.shape());
@@ -118,19 +204,20 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   Tensor<T, 1> lambdas({c.H}), dlambdas({c.H});
   for (index_t h = 0; h < c.H; ++h) lambdas(h) = T(0.2) + T(0.15) * T(h);
   if (c.kind == Kind::v1 && c.per_head) {
-    diffattn::diff_attention_v1<T>(q, k, v, lambdas, out, lse, o);
+    diffattn::diff_attention_v1<T>(q, k, v, lambdas, out, lse, o, mod);
     diffattn::diff_attention_v1_backward<T>(q, k, v, lambdas, out, lse, dout, dq, dk, dvg, dlambdas,
-                                            o);
+                                            o, dsinks, mod);
   } else if (c.kind == Kind::v1) {
-    diffattn::diff_attention_v1<T>(q, k, v, lambda, out, lse, o);
+    diffattn::diff_attention_v1<T>(q, k, v, lambda, out, lse, o, mod);
     diffattn::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, dq, dk, dvg, dlambda,
-                                            o);
+                                            o, dsinks, mod);
   } else if (c.kind == Kind::v2) {
-    diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o);
-    diffattn::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, dq, dk, dvg, dlogit, o);
+    diffattn::diff_attention_v2<T>(q, k, v, logit, out, lse, o, mod);
+    diffattn::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, dq, dk, dvg, dlogit, o,
+                                            dsinks, mod);
   } else {
-    diffattn::attention<T>(q, k, v, out, lse, o);
-    diffattn::attention_backward<T>(q, k, v, out, lse, dout, dq, dk, dvg, o);
+    diffattn::attention<T>(q, k, v, out, lse, o, mod);
+    diffattn::attention_backward<T>(q, k, v, out, lse, dout, dq, dk, dvg, o, dsinks, mod);
   }
   // The ring on the shards.
   namespace dm = diffattn::mpi;
@@ -143,22 +230,63 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   Tensor<T, 3> lsel({B, qh, n}), dlogitl(ll.shape());
   T dlambdal = 0;
   Tensor<T, 1> dlambdasl({c.H});
-  if (c.kind == Kind::v1 && c.per_head) {
-    dm::diff_attention_v1<T>(comm, ql, kl, vl, lambdas, outl, lsel, o, s);
-    dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambdas, outl, lsel, dol, dql, dkl, dvl,
-                                      dlambdasl, o, s);
-  } else if (c.kind == Kind::v1) {
-    dm::diff_attention_v1<T>(comm, ql, kl, vl, lambda, outl, lsel, o, s);
-    dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambda, outl, lsel, dol, dql, dkl, dvl,
-                                      dlambdal, o, s);
-  } else if (c.kind == Kind::v2) {
-    dm::diff_attention_v2<T>(comm, ql, kl, vl, ll, outl, lsel, o, s);
-    dm::diff_attention_v2_backward<T>(comm, ql, kl, vl, ll, outl, lsel, dol, dql, dkl, dvl, dlogitl,
-                                      o, s);
-  } else {
-    dm::attention<T>(comm, ql, kl, vl, outl, lsel, o, s);
-    dm::attention_backward<T>(comm, ql, kl, vl, outl, lsel, dol, dql, dkl, dvl, o, s);
-  }
+  // The ring: without modifiers through the overloads it always had; with
+  // sinks and no functor through those taking dsinks; with a functor through
+  // those taking it.
+  auto ring = [&](const AttentionOptions& ro) {
+    if constexpr (kFunctor) {
+      if (c.kind == Kind::v1 && c.per_head) {
+        dm::diff_attention_v1<T>(comm, ql, kl, vl, lambdas, outl, lsel, ro, mod, s);
+        dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambdas, outl, lsel, dol, dql, dkl, dvl,
+                                          dlambdasl, ro, dsinksl, mod, s);
+      } else if (c.kind == Kind::v1) {
+        dm::diff_attention_v1<T>(comm, ql, kl, vl, lambda, outl, lsel, ro, mod, s);
+        dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambda, outl, lsel, dol, dql, dkl, dvl,
+                                          dlambdal, ro, dsinksl, mod, s);
+      } else if (c.kind == Kind::v2) {
+        dm::diff_attention_v2<T>(comm, ql, kl, vl, ll, outl, lsel, ro, mod, s);
+        dm::diff_attention_v2_backward<T>(comm, ql, kl, vl, ll, outl, lsel, dol, dql, dkl, dvl,
+                                          dlogitl, ro, dsinksl, mod, s);
+      } else {
+        dm::attention<T>(comm, ql, kl, vl, outl, lsel, ro, mod, s);
+        dm::attention_backward<T>(comm, ql, kl, vl, outl, lsel, dol, dql, dkl, dvl, ro, dsinksl,
+                                  mod, s);
+      }
+    } else if (c.mods.sinks) {
+      if (c.kind == Kind::v1 && c.per_head) {
+        dm::diff_attention_v1<T>(comm, ql, kl, vl, lambdas, outl, lsel, ro, s);
+        dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambdas, outl, lsel, dol, dql, dkl, dvl,
+                                          dlambdasl, ro, dsinksl, s);
+      } else if (c.kind == Kind::v1) {
+        dm::diff_attention_v1<T>(comm, ql, kl, vl, lambda, outl, lsel, ro, s);
+        dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambda, outl, lsel, dol, dql, dkl, dvl,
+                                          dlambdal, ro, dsinksl, s);
+      } else if (c.kind == Kind::v2) {
+        dm::diff_attention_v2<T>(comm, ql, kl, vl, ll, outl, lsel, ro, s);
+        dm::diff_attention_v2_backward<T>(comm, ql, kl, vl, ll, outl, lsel, dol, dql, dkl, dvl,
+                                          dlogitl, ro, dsinksl, s);
+      } else {
+        dm::attention<T>(comm, ql, kl, vl, outl, lsel, ro, s);
+        dm::attention_backward<T>(comm, ql, kl, vl, outl, lsel, dol, dql, dkl, dvl, ro, dsinksl, s);
+      }
+    } else if (c.kind == Kind::v1 && c.per_head) {
+      dm::diff_attention_v1<T>(comm, ql, kl, vl, lambdas, outl, lsel, ro, s);
+      dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambdas, outl, lsel, dol, dql, dkl, dvl,
+                                        dlambdasl, ro, s);
+    } else if (c.kind == Kind::v1) {
+      dm::diff_attention_v1<T>(comm, ql, kl, vl, lambda, outl, lsel, ro, s);
+      dm::diff_attention_v1_backward<T>(comm, ql, kl, vl, lambda, outl, lsel, dol, dql, dkl, dvl,
+                                        dlambdal, ro, s);
+    } else if (c.kind == Kind::v2) {
+      dm::diff_attention_v2<T>(comm, ql, kl, vl, ll, outl, lsel, ro, s);
+      dm::diff_attention_v2_backward<T>(comm, ql, kl, vl, ll, outl, lsel, dol, dql, dkl, dvl,
+                                        dlogitl, ro, s);
+    } else {
+      dm::attention<T>(comm, ql, kl, vl, outl, lsel, ro, s);
+      dm::attention_backward<T>(comm, ql, kl, vl, outl, lsel, dol, dql, dkl, dvl, ro, s);
+    }
+  };
+  ring(o);
   const double t = tol<T>(), tb = 4 * tol<T>();
   auto cmp = [&](const char* what, double err, double limit) {
     check(err <= limit,
@@ -177,6 +305,27 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
         tb);
   if (c.kind == Kind::v2)
     cmp("dlambda_logit", rel_error(dlogitl, dm::shard(dlogit, rank, world, s)), tb);
+  if (c.mods.sinks) {
+    cmp("dsinks", rel_error(dsinksl, dsinks), tb);
+    check(same_on_all_ranks(comm, dsinksl.data(), dsinksl.size()),
+          name + ": dsinks differs between the ranks");
+  }
+  if (c.mods.any() || kFunctor) {
+    // The same bits with 2 threads.
+    const Tensor<T, 4> out1 = outl, dq1 = dql, dk1 = dkl, dv1 = dvl;
+    const Tensor<T, 3> lse1 = lsel, dlogit1 = dlogitl;
+    const Tensor<T, 1> dsinks1 = dsinksl, dlambdas1 = dlambdasl;
+    const T dlambda1 = dlambdal;
+    AttentionOptions o2 = o;
+    o2.num_threads = 2;
+    ring(o2);
+    check(bitwise_equal(out1, outl) && bitwise_equal(lse1, lsel) && bitwise_equal(dq1, dql) &&
+              bitwise_equal(dk1, dkl) && bitwise_equal(dv1, dvl) &&
+              bitwise_equal(dlogit1, dlogitl) && bitwise_equal(dsinks1, dsinksl) &&
+              bitwise_equal(dlambdas1, dlambdasl) &&
+              std::memcmp(&dlambda1, &dlambdal, sizeof(T)) == 0,
+          name + ": 1 and 2 threads differ");
+  }
 }
 
 /// f must throw diffattn::error holding `word` on this rank.
@@ -289,6 +438,88 @@ void error_cases(MPI_Comm comm) {
                                               TensorView<const float, 3>(), ol, dq, dk, dv, dl);
       },
       "lse");
+  // Bad score modifiers: refused on every rank, never a hang.
+  {
+    std::vector<float> slopes = {0.1f, 0.2f}, sinks = {0.5f, -0.5f}, sinks3 = {0.f, 0.f, 0.f};
+    std::vector<float> slopes_r = slopes;
+    if (rank == world - 1) slopes_r[1] = 0.25f;
+    AttentionOptions o;
+    o.softcap = -1.0f;
+    expect_error(
+        "negative softcap",
+        [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+        "options.softcap");
+    o = {};
+    o.softcap = std::numeric_limits<float>::infinity();
+    expect_error(
+        "infinite softcap",
+        [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+        "options.softcap");
+    o = {};
+    o.sinks = TensorView<const float, 1>(sinks3.data(), {3});
+    expect_error(
+        "sinks of the wrong length",
+        [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); }, "options.sinks");
+    // dsinks without sinks, and dsinks of the wrong length.
+    Tensor<float, 1> ds({2}), ds3({3});
+    expect_error(
+        "dsinks without sinks",
+        [&] {
+          dm::diff_attention_v1_backward<float>(comm, ql, kl, vl, 0.5f, ol, ll, ol, dq, dk, dv, dl,
+                                                AttentionOptions{}, ds);
+        },
+        "dsinks");
+    o = {};
+    o.sinks = TensorView<const float, 1>(sinks.data(), {2});
+    expect_error(
+        "dsinks of the wrong length",
+        [&] {
+          dm::diff_attention_v1_backward<float>(comm, ql, kl, vl, 0.5f, ol, ll, ol, dq, dk, dv, dl,
+                                                o, ds3);
+        },
+        "dsinks");
+    if (world > 1) {
+      // One rank with bad slopes: every rank throws.
+      std::vector<float> nan_slopes = slopes;
+      if (rank == 0) nan_slopes[0] = std::numeric_limits<float>::quiet_NaN();
+      o = {};
+      o.alibi_slopes = TensorView<const float, 1>(nan_slopes.data(), {2});
+      expect_error(
+          "one rank's NaN slope",
+          [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+          rank == 0 ? "options.alibi_slopes" : "rank 0 of");
+      // Modifiers that differ across ranks.
+      o = {};
+      o.alibi_slopes = TensorView<const float, 1>(slopes_r.data(), {2});
+      expect_error(
+          "slopes differ", [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+          "options.alibi_slopes");
+      o = {};
+      o.softcap = rank == 0 ? 5.0f : 4.0f;
+      expect_error(
+          "softcap differs",
+          [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+          "options.softcap");
+      o = {};
+      if (rank == 0) o.sinks = TensorView<const float, 1>(sinks.data(), {2});
+      expect_error(
+          "sinks on one rank only",
+          [&] { dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o); },
+          rank == 0 ? "options.sinks" : "options.sinks");
+      // The backward: dsinks wanted on one rank only.
+      o = {};
+      o.sinks = TensorView<const float, 1>(sinks.data(), {2});
+      dm::diff_attention_v1<float>(comm, ql, kl, vl, 0.5f, ol, ll, o);
+      expect_error(
+          "dsinks on one rank only",
+          [&] {
+            dm::diff_attention_v1_backward<float>(comm, ql, kl, vl, 0.5f, ol, ll, ol, dq, dk, dv,
+                                                  dl, o,
+                                                  rank == 0 ? ds.view() : TensorView<float, 1>());
+          },
+          "dsinks");
+    }
+  }
   // Still in step: a collective after the errors completes.
   int one = 1, sum = 0;
   MPI_Allreduce(&one, &sum, 1, MPI_INT, MPI_SUM, comm);
@@ -337,16 +568,59 @@ int main(int argc, char** argv) {
     cases.push_back({Kind::v2, 1, 2 * W * 10, 2, 1, 8, false, 3, 11, s});
     cases.push_back({Kind::plain, 1, 2 * W * 10, 2, 1, 8, false, -1, 7, s});
   }
+  // Score modifiers over global positions: softcap, ALiBi, sinks, and each alone.
+  std::vector<Case> mod_cases;
+  const Mods all{2.0f, true, true};
+  for (Sharding s : {Sharding::zigzag, Sharding::contiguous}) {
+    mod_cases.push_back({Kind::v1, 2, 2 * W * 7, 2, 1, 8, true, -1, -1, s, false, all});
+    mod_cases.push_back({Kind::v1, 1, 2 * W * 7, 2, 1, 8, false, -1, -1, s, false, all});
+    mod_cases.push_back({Kind::v1, 1, 2 * W * 8, 2, 2, 8, false, -1, -1, s, true, {0, true, true}});
+    mod_cases.push_back({Kind::v1, 1, 2 * W * 8, 4, 2, 8, true, -1, -1, s, true, all});
+    mod_cases.push_back({Kind::v2, 1, 2 * W * 9, 2, 2, 8, true, 11, -1, s, false, all});
+    mod_cases.push_back({Kind::v2, 1, 2 * W * 9, 2, 1, 8, false, -1, -1, s, false, all});
+    mod_cases.push_back(
+        {Kind::v2, 1, 2 * W * 6, 2, 1, 8, false, -1, -1, s, false, {1.5f, false, false}});
+    mod_cases.push_back({Kind::plain, 1, 2 * W * 17, 4, 2, 16, false, -1, -1, s, false, all});
+    mod_cases.push_back({Kind::plain, 1, 2 * W * 17, 4, 2, 16, true, -1, -1, s, false, all});
+    mod_cases.push_back(
+        {Kind::plain, 2, 2 * W * 10, 2, 1, 8, true, -1, -1, s, false, {0, false, true}});
+    mod_cases.push_back(
+        {Kind::plain, 1, 2 * W * 10, 2, 1, 8, false, 4, 6, s, false, {0, true, false}});
+  }
   try {
     for (const Case& c : cases) {
       run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
       run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
     }
+    for (const Case& c : mod_cases) {
+      run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
+      run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
+    }
+    // User functors, i and j global: documents across shard boundaries.
+    for (Sharding s : {Sharding::zigzag, Sharding::contiguous}) {
+      const Case v1c{Kind::v1, 1, 2 * W * 7, 2, 1, 8, true, -1, -1, s, false, all};
+      const Case v1h{Kind::v1, 1, 2 * W * 8, 2, 2, 8, false, -1, -1, s, true, {}};
+      const Case v2c{Kind::v2, 1, 2 * W * 9, 2, 1, 8, false, -1, -1, s, false, {0, false, true}};
+      const Case plc{Kind::plain, 2, 2 * W * 11, 4, 2, 8, false, -1, -1, s, false, all};
+      const Case plk{Kind::plain, 1, 2 * W * 12, 2, 1, 8, true, -1, -1, s, false, {}};
+      for (index_t doc : {index_t(5), index_t(W * 7 + 3)}) {
+        run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        run_case<float>(v1h, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        run_case<double>(v2c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        run_case<double>(plc, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocBlocks{doc});
+        run_case<float>(plk, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+      }
+    }
     // A communicator of one rank: the single-process case on every rank.
     MPI_Comm self;
     MPI_Comm_split(MPI_COMM_WORLD, g_rank, 0, &self);
-    for (Sharding s : {Sharding::zigzag, Sharding::contiguous})
+    for (Sharding s : {Sharding::zigzag, Sharding::contiguous}) {
       run_case<double>({Kind::v1, 1, 26, 2, 1, 8, true, -1, -1, s}, seed += 10, self, 0, 1);
+      run_case<double>({Kind::v2, 1, 26, 2, 1, 8, true, -1, -1, s, false, all}, seed += 10, self, 0,
+                       1);
+      run_case<double>({Kind::plain, 1, 26, 2, 1, 8, false, -1, -1, s, false, all}, seed += 10,
+                       self, 0, 1, DocWarp{6});
+    }
     MPI_Comm_free(&self);
     gather_case(MPI_COMM_WORLD);
     error_cases(MPI_COMM_WORLD);

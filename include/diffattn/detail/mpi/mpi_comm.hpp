@@ -119,6 +119,21 @@ class RingComm {
     mpi_check(MPI_Allreduce(MPI_IN_PLACE, x, n, MPI_DOUBLE, MPI_SUM, comm_), fn_, "MPI_Allreduce");
     wait_seconds += mpi_now() - t0;
   }
+  /// The sum over every rank of x, added in rank order on each rank (an
+  /// MPI_Allgather), so that every rank gets the same bits.
+  std::vector<double> allgather_sum(const std::vector<double>& x) {
+    const double t0 = mpi_now();
+    const int n = static_cast<int>(x.size());
+    std::vector<double> all(x.size() * static_cast<std::size_t>(size_));
+    mpi_check(MPI_Allgather(x.data(), n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, comm_), fn_,
+              "MPI_Allgather");
+    wait_seconds += mpi_now() - t0;
+    std::vector<double> sum(x.size(), 0.0);
+    for (int r = 0; r < size_; ++r)
+      for (std::size_t e = 0; e < x.size(); ++e)
+        sum[e] += all[static_cast<std::size_t>(r) * x.size() + e];
+    return sum;
+  }
 
   double wait_seconds = 0;
   std::uint64_t bytes_sent = 0;

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../../attention.hpp"
@@ -41,6 +43,11 @@ struct RingStats {
 
 namespace detail {
 
+/// SFINAE guard of the functor overloads: a Sharding in the functor's place
+/// is the overload without one.
+template <class Mod>
+using not_sharding_t = std::enable_if_t<!std::is_same<std::decay_t<Mod>, mpi::Sharding>::value>;
+
 inline const char* sharding_name(mpi::Sharding s) {
   return s == mpi::Sharding::zigzag ? "zigzag" : "contiguous";
 }
@@ -62,6 +69,25 @@ std::int64_t lambda_bits(const AttentionProblem<T>& p) {
   std::memcpy(&out, &h, sizeof out);
   return out;
 }
+
+/// An FNV-1a hash of a (Hq) modifier's bits (alibi_slopes, sinks), 0 when
+/// empty, so that the ranks can check they pass the same values.
+inline std::int64_t modifier_bits(const TensorView<const float, 1>& t) {
+  if (t.empty()) return 0;
+  std::uint64_t h = 1469598103934665603ull;
+  for (index_t i = 0; i < t.size(); ++i) {
+    std::uint32_t b = 0;
+    const float x = t(i);
+    std::memcpy(&b, &x, sizeof b);
+    for (int byte = 0; byte < 4; ++byte) h = (h ^ ((b >> (8 * byte)) & 0xffu)) * 1099511628211ull;
+  }
+  std::int64_t out = 0;
+  std::memcpy(&out, &h, sizeof out);
+  return out == 0 ? 1 : out;
+}
+
+/// Fields of the argument header every rank must agree on.
+constexpr std::size_t kRingHeaderFields = 18;
 
 /// Local checks shared by every entry point; the header every rank must agree on.
 template <class T>
@@ -87,7 +113,11 @@ std::vector<HeaderField> ring_header(const char* fn, const AttentionProblem<T>& 
           {"options.window_right", o.window_right},
           {"options.scale", bits_of(o.scale)},
           {"lambda", lambda_bits(p)},
-          {"the sharding", static_cast<std::int64_t>(s)}};
+          {"the sharding", static_cast<std::int64_t>(s)},
+          {"options.softcap", bits_of(static_cast<double>(o.softcap))},
+          {"options.alibi_slopes", modifier_bits(o.alibi_slopes)},
+          {"options.sinks", modifier_bits(o.sinks)},
+          {"whether dsinks is wanted", 0}};
 }
 
 template <class T>
@@ -110,6 +140,9 @@ RingProblem<T> ring_problem(const AttentionProblem<T>& p, const AttentionOptions
   rp.right = o.causal ? 0 : o.window_right;
   rp.threads = o.num_threads;
   rp.zigzag = s == mpi::Sharding::zigzag;
+  rp.softcap = o.softcap;
+  rp.alibi_slopes = o.alibi_slopes;
+  rp.sinks = o.sinks;
   return rp;
 }
 
@@ -135,7 +168,7 @@ template <class T>
 struct CheckedRing {
   AttentionProblem<T> p;
   BackwardProblem<T> bp;
-  std::vector<HeaderField> header = std::vector<HeaderField>(14);
+  std::vector<HeaderField> header = std::vector<HeaderField>(kRingHeaderFields);
 };
 
 inline void finish_stats(mpi::RingStats* stats, const RingComm& rc, double t0) {
@@ -147,18 +180,18 @@ inline void finish_stats(mpi::RingStats* stats, const RingComm& rc, double t0) {
 }
 
 /// The forward of any kind: states per map, then out and lse.
-template <class T>
+template <class T, class Mod>
 void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
-                            const AttentionOptions& options, mpi::Sharding s) {
+                            const AttentionOptions& options, mpi::Sharding s, const Mod& mod) {
   if (rc.size() == 1) {  // every key is local: the fused kernel, exactly
-    run_attention<T>(p, options);
+    run_attention(p, options, mod);
     return;
   }
   const RingProblem<T> rp = ring_problem(p, options, s);
   std::vector<int> maps = rp.maps() == 2 ? std::vector<int>{0, 1} : std::vector<int>{0};
   std::vector<Tensor<T, 4>> o;
   std::vector<Tensor<T, 3>> lse;
-  ring_forward(rp, rc, maps, o, lse);
+  ring_forward(rp, rc, maps, o, lse, mod);
   for (index_t b = 0; b < rp.B; ++b)
     for (index_t i = 0; i < rp.n; ++i)
       for (index_t h = 0; h < rp.H; ++h) {
@@ -182,15 +215,19 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
 /// o1 = out + lambda o2; then D_m = dO_m . o_m with dO_1 = dO, dO_2 = -lambda dO.
 /// Returns V1's dlambda before the allreduce: the local sums over rows of
 /// -dO . o2, one per DIFF head when lambda is per head, else one (empty for
-/// the other kinds).
-template <class T>
+/// the other kinds). With bp.dsinks, writes the sinks' gradients summed over
+/// every rank's rows: per row and map, -exp(sink - lse_m) delta_m (the
+/// sink's probability times dO_m . o_m), added in double on each rank, then
+/// gathered and added in rank order, so every rank gets the same bits.
+template <class T, class Mod>
 std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<T>& bp,
-                                            const AttentionOptions& options, mpi::Sharding s) {
+                                            const AttentionOptions& options, mpi::Sharding s,
+                                            const Mod& mod) {
   const bool per_head = !bp.fwd.lambda_heads.empty();
   std::vector<double> dlambda_sum(
       bp.fwd.kind == AttnKind::v1 ? static_cast<std::size_t>(per_head ? bp.fwd.heads : 1) : 0);
   if (rc.size() == 1) {  // every key is local: the fused backward, exactly
-    run_attention_backward(bp, options);
+    run_attention_backward(bp, options, mod);
     for (std::size_t h = 0; h < dlambda_sum.size(); ++h)
       dlambda_sum[h] = static_cast<double>(bp.dlambda(static_cast<index_t>(h)));
     return dlambda_sum;
@@ -209,7 +246,7 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
     dout_m.push_back(bp.dout);
     lse_m.push_back(p.lse);
   } else {
-    ring_forward(rp, rc, {1}, o2, lse_re);
+    ring_forward(rp, rc, {1}, o2, lse_re, mod);
     o1 = Tensor<T, 4>(oshape);
     dout2 = Tensor<T, 4>(oshape);
     for (index_t b = 0; b < rp.B; ++b)
@@ -249,10 +286,30 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
         }
   }
   for (const auto& t : delta) delta_m.push_back(t.view());
+  if (!bp.dsinks.empty()) {
+    const index_t Hq = bp.dsinks.shape(0);
+    std::vector<double> local(static_cast<std::size_t>(Hq), 0.0);
+    for (int m = 0; m < maps; ++m)
+      for (index_t b = 0; b < rp.B; ++b)
+        for (index_t h = 0; h < rp.H; ++h) {
+          const index_t qh = rp.qhead(m, h);
+          const T sink = static_cast<T>(rp.sinks(qh));
+          double acc = 0;
+          for (index_t i = 0; i < rp.n; ++i) {
+            const T l = lse_m[m](b, h, i);
+            if (l == -std::numeric_limits<T>::infinity()) continue;
+            acc -= static_cast<double>(std::exp(sink - l) * delta_m[m](b, h, i));
+          }
+          local[static_cast<std::size_t>(qh)] += acc;
+        }
+    const std::vector<double> sum = rc.allgather_sum(local);
+    for (index_t h = 0; h < Hq; ++h)
+      bp.dsinks(h) = static_cast<T>(sum[static_cast<std::size_t>(h)]);
+  }
   std::vector<Tensor<T, 4>> dq_m;
   for (int m = 0; m < maps; ++m) dq_m.emplace_back(std::array<index_t, 4>{rp.B, rp.n, rp.H, rp.d});
   Tensor<T, 1> grad;
-  ring_backward(rp, rc, o_m, lse_m, dout_m, delta_m, dq_m, grad);
+  ring_backward(rp, rc, o_m, lse_m, dout_m, delta_m, dq_m, grad, mod);
   // Gradients to the caller's layout.
   for (index_t b = 0; b < rp.B; ++b)
     for (index_t i = 0; i < rp.n; ++i) {
@@ -272,40 +329,44 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
 
 /// One collective forward call: `validate` (run on every rank, its errors
 /// agreed on) gives the problem, whose header the ranks compare before the ring.
-template <class T, class Validate>
+template <class T, class Validate, class Mod = NoScoreMod>
 void ring_forward_call(MPI_Comm comm, const char* fn, const AttentionOptions& options,
-                       mpi::Sharding sharding, mpi::RingStats* stats, Validate&& validate) {
+                       mpi::Sharding sharding, mpi::RingStats* stats, Validate&& validate,
+                       const Mod& mod = Mod()) {
   const double t0 = mpi_now();
   RingComm rc(comm, fn);
   const auto c = checked_collective(rc, [&] {
     CheckedRing<T> r;
-    refuse_score_mods(fn, options);  // not in the ring yet (issue 37)
     r.p = validate();
     r.header = ring_header(fn, r.p, options, sharding);
     return r;
   });
-  ring_attention_forward(rc, c.p, options, sharding);
+  ring_attention_forward(rc, c.p, options, sharding, mod);
   finish_stats(stats, rc, t0);
 }
 
 /// One collective backward call, as ring_forward_call with `validate` giving
 /// the backward problem. Returns V1's dlambda summed over every rank (one per
 /// DIFF head with per-head lambda, else one); empty for the other kinds.
-template <class T, class Validate>
+/// dsinks (an empty view: not wanted) is attached to the problem here, its
+/// errors agreed on like the others'.
+template <class T, class Validate, class Mod = NoScoreMod>
 std::vector<double> ring_backward_call(MPI_Comm comm, const char* fn,
                                        const AttentionOptions& options, mpi::Sharding sharding,
-                                       mpi::RingStats* stats, Validate&& validate) {
+                                       mpi::RingStats* stats, Validate&& validate,
+                                       TensorView<T, 1> dsinks = {}, const Mod& mod = Mod()) {
   const double t0 = mpi_now();
   RingComm rc(comm, fn);
   const auto c = checked_collective(rc, [&] {
     CheckedRing<T> r;
-    refuse_score_mods(fn, options);  // not in the ring yet (issue 37)
     r.bp = validate();
+    attach_dsinks(fn, r.bp, dsinks);
     r.p = r.bp.fwd;
     r.header = ring_header(fn, r.p, options, sharding);
+    r.header.back().value = r.bp.dsinks.empty() ? 0 : 1;
     return r;
   });
-  std::vector<double> sum = ring_attention_backward(rc, c.bp, options, sharding);
+  std::vector<double> sum = ring_attention_backward(rc, c.bp, options, sharding, mod);
   if (!sum.empty()) rc.allreduce_sum(sum.data(), static_cast<int>(sum.size()));
   finish_stats(stats, rc, t0);
   return sum;
@@ -314,21 +375,24 @@ std::vector<double> ring_backward_call(MPI_Comm comm, const char* fn,
 /// mpi::diff_attention_v1_backward with one lambda (lambda, dlambda (1)) or
 /// one per DIFF head (lambda_heads, dlambda (H)): dlambda gets the sums over
 /// every rank.
-template <class T>
+template <class T, class Mod = NoScoreMod>
 void ring_v1_backward(MPI_Comm comm, TensorView<const T, 4> q, TensorView<const T, 4> k,
                       TensorView<const T, 4> v, const T* lambda,
                       const TensorView<const T, 1>* lambda_heads, TensorView<const T, 4> out,
                       TensorView<const T, 3> lse, TensorView<const T, 4> dout, TensorView<T, 4> dq,
                       TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
                       const AttentionOptions& options, mpi::Sharding sharding,
-                      mpi::RingStats* stats) {
+                      mpi::RingStats* stats, TensorView<T, 1> dsinks = {}, const Mod& mod = Mod()) {
   constexpr const char* fn = "diffattn::mpi::diff_attention_v1_backward";
-  const std::vector<double> sum = ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
-    auto bp = backward_v1<T>(q, k, v, lambda, lambda_heads, out, lse, dout, dq, dk, dv, dlambda,
-                             options, fn);
-    if (bp.fwd.seqlen_q > 0 && !bp.fwd.has_lse()) fail(fn, "lse is required");
-    return bp;
-  });
+  const std::vector<double> sum = ring_backward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] {
+        auto bp = backward_v1<T>(q, k, v, lambda, lambda_heads, out, lse, dout, dq, dk, dv, dlambda,
+                                 options, fn);
+        if (bp.fwd.seqlen_q > 0 && !bp.fwd.has_lse()) fail(fn, "lse is required");
+        return bp;
+      },
+      dsinks, mod);
   for (std::size_t h = 0; h < sum.size(); ++h)
     dlambda(static_cast<index_t>(h)) = static_cast<T>(sum[h]);
 }

@@ -18,6 +18,7 @@
 #include "../../tensor.hpp"
 #include "../backward/attention_backward.hpp"
 #include "../core/validate.hpp"
+#include "../kernel/score_mods.hpp"
 #include "mpi_comm.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -129,8 +130,15 @@ struct RingProblem {
   index_t left = -1, right = -1;  // the global band
   int threads = 0;
   bool zigzag = true;
+  // Score modifiers: the softcap goes to every pair call; the ALiBi slopes
+  // (with global positions) through RingMod; each map's sinks are merged once
+  // into its final state (ring_forward) and differentiated by the driver.
+  double softcap = 0;
+  TensorView<const float, 1> alibi_slopes, sinks;  // (Hq) or empty
 
   int maps() const { return kind == AttnKind::plain ? 1 : 2; }
+  /// The query head (of q, (Hq)) of map m's head h: 2h + m, or h for plain.
+  index_t qhead(int m, index_t h) const { return kind == AttnKind::plain ? h : 2 * h + m; }
   /// Map m's query heads, (B, n, H, d): V1 and V2 heads 2h + m.
   TensorView<const T, 4> q_map(int m) const {
     if (kind == AttnKind::plain) return q;
@@ -160,9 +168,89 @@ struct RingProblem {
     o.num_threads = threads;
     o.window_left = w.left;
     o.window_right = w.right;
+    o.softcap = static_cast<float>(softcap);
     return o;
   }
 };
+
+/// The functor of one pair call: the kernel's query head h of a map's view,
+/// and its rows i and keys j within the pair, become the caller's query head
+/// and global positions; ALiBi (kAlibi) subtracts slope |i - j| over global
+/// positions, then the user's functor (NoScoreMod: none) sees them. A member
+/// exists only where the kernel must call it, so a pair without ALiBi and a
+/// user functor without `score` keep the kernels' cheaper paths.
+template <class Mod, bool kAlibi>
+struct RingMod {
+  const Mod* user = nullptr;
+  const float* slopes = nullptr;  // (Hq), with kAlibi
+  index_t gq0 = 0, gk0 = 0;       // global positions of the pair's first query and key
+  index_t hmul = 1, hadd = 0;     // query head = hmul h + hadd
+
+  index_t head(index_t h) const { return hmul * h + hadd; }
+  template <class S>
+  S alibi(S s, index_t qh, index_t gi, index_t gj) const {
+    if constexpr (kAlibi) s -= static_cast<S>(slopes[qh]) * static_cast<S>(std::abs(gi - gj));
+    (void)qh, (void)gi, (void)gj;
+    return s;
+  }
+  template <class S, bool A = kAlibi, std::enable_if_t<A || has_score<Mod, S>::value, int> = 0>
+  S score(S s, index_t b, index_t h, index_t i, index_t j) const {
+    const index_t qh = head(h), gi = gq0 + i, gj = gk0 + j;
+    s = alibi(s, qh, gi, gj);
+    if constexpr (has_score<Mod, S>::value) s = user->score(s, b, qh, gi, gj);
+    (void)b;
+    return s;
+  }
+  // d score / d s: ALiBi's is 1; a user score without dscore leaves this out,
+  // so the backward's own static_assert names what is missing.
+  template <
+      class S, bool A = kAlibi,
+      std::enable_if_t<has_dscore<Mod, S>::value || (A && !has_score<Mod, S>::value), int> = 0>
+  S dscore(S s, index_t b, index_t h, index_t i, index_t j) const {
+    if constexpr (has_dscore<Mod, S>::value) {
+      const index_t qh = head(h), gi = gq0 + i, gj = gk0 + j;
+      return user->dscore(alibi(s, qh, gi, gj), b, qh, gi, gj);
+    } else {
+      (void)s, (void)b, (void)h, (void)i, (void)j;
+      return S(1);
+    }
+  }
+  template <class M = Mod, std::enable_if_t<has_visible<M>::value, int> = 0>
+  bool visible(index_t b, index_t h, index_t i, index_t j) const {
+    return static_cast<bool>(user->visible(b, head(h), gq0 + i, gk0 + j));
+  }
+  template <class M = Mod, std::enable_if_t<has_visible_block<M>::value, int> = 0>
+  int visible_block(index_t b, index_t h, index_t i0, index_t i1, index_t j0, index_t j1) const {
+    return static_cast<int>(
+        user->visible_block(b, head(h), gq0 + i0, gq0 + i1, gk0 + j0, gk0 + j1));
+  }
+};
+
+/// Calls f with the functor of map m's pair of query run qr and key run kr:
+/// the user's NoScoreMod itself when there is neither ALiBi nor a user
+/// functor (the kernels without one, as before), else a RingMod.
+template <class T, class Mod, class F>
+void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardRun& qr,
+                   const ShardRun& kr, F&& f) {
+  const bool alibi = !rp.alibi_slopes.empty();
+  auto make = [&](auto tag) {
+    RingMod<Mod, decltype(tag)::value> r;
+    r.user = &mod;
+    r.slopes = alibi ? rp.alibi_slopes.data() : nullptr;
+    r.gq0 = qr.global;
+    r.gk0 = kr.global;
+    r.hmul = rp.kind == AttnKind::plain ? 1 : 2;
+    r.hadd = rp.kind == AttnKind::plain ? 0 : m;
+    return r;
+  };
+  if (alibi) {
+    f(make(std::true_type()));
+  } else if constexpr (is_active_mod<Mod, T>) {
+    f(make(std::false_type()));
+  } else {
+    f(mod);
+  }
+}
 
 /// The local k and v in one contiguous block.
 template <class T>
@@ -183,10 +271,12 @@ constexpr int kTagBlock = 7201;  // key/value blocks
 constexpr int kTagGrad = 7202;   // dK/dV accumulators
 
 /// Forward ring: for each map in `maps`, the rank's merged state over all
-/// keys, o[i] (B, n, H, dv) and lse[i] (B, H, n).
-template <class T>
+/// keys, o[i] (B, n, H, dv) and lse[i] (B, H, n), with the map's sinks merged
+/// into it once at the end (a state o = 0, lse = sink).
+template <class T, class Mod = NoScoreMod>
 void ring_forward(const RingProblem<T>& rp, RingComm& rc, const std::vector<int>& maps,
-                  std::vector<Tensor<T, 4>>& o, std::vector<Tensor<T, 3>>& lse) {
+                  std::vector<Tensor<T, 4>>& o, std::vector<Tensor<T, 3>>& lse,
+                  const Mod& mod = Mod()) {
   const int W = rc.size();
   o.clear();
   lse.clear();
@@ -217,8 +307,10 @@ void ring_forward(const RingProblem<T>& rp, RingComm& rc, const std::vector<int>
         const TensorView<T, 4> obv(ob.data(), {rp.B, w.n, rp.H, rp.dv}, ob.view().strides());
         const TensorView<T, 3> lbv(lb.data(), {rp.B, rp.H, w.n}, lb.view().strides());
         for (std::size_t mi = 0; mi < maps.size(); ++mi) {
-          attention<T>(rows_of(rp.q_map(maps[mi]), w.q0, w.n), rp.k_map(kv, maps[mi], w.k0, w.m),
-                       rp.v_rows(kv, w.k0, w.m), obv, lbv, opt);
+          with_pair_mod(rp, mod, maps[mi], qr, kr, [&](const auto& pm) {
+            attention<T>(rows_of(rp.q_map(maps[mi]), w.q0, w.n), rp.k_map(kv, maps[mi], w.k0, w.m),
+                         rp.v_rows(kv, w.k0, w.m), obv, lbv, opt, pm);
+          });
           merge_states<T>(rows_of(o[mi].view(), w.q0, w.n), rows_of(lse[mi].view(), w.q0, w.n), obv,
                           lbv, rp.threads);
         }
@@ -227,19 +319,32 @@ void ring_forward(const RingProblem<T>& rp, RingComm& rc, const std::vector<int>
     }
     rc.wait(req, 2);
   }
+  if (rp.sinks.empty()) return;
+  const std::vector<T> zero(static_cast<std::size_t>(rp.dv), T(0));
+  for (std::size_t mi = 0; mi < maps.size(); ++mi)
+    for (index_t b = 0; b < rp.B; ++b)
+      for (index_t h = 0; h < rp.H; ++h) {
+        const T sink = static_cast<T>(rp.sinks(rp.qhead(maps[mi], h)));
+        for (index_t i = 0; i < rp.n; ++i)
+          lse[mi](b, h, i) = merge_row<T>(rp.dv > 0 ? &o[mi](b, i, h, 0) : nullptr,
+                                          lse[mi](b, h, i), zero.data(), sink, rp.dv);
+      }
 }
 
 /// Backward ring. Per map m: o_m and lse_m the final merged state, dout_m the
 /// gradient of o_m, delta_m = dout_m . o_m (B, H, n). Accumulates dq_m (B, n,
 /// H, d) (zeroed by the caller) and writes the rank's own dk (B, n, Hk, d) and
-/// dv (B, n, Hkv, dv) (the sum over both maps).
-template <class T>
+/// dv (B, n, Hkv, dv) (the sum over both maps). Under sinks lse_m and o_m
+/// hold them and delta_m = dout_m . o_m stays the row's constant: the sink's
+/// column has no value, so dS = P (dP - delta) over the keys is unchanged;
+/// the pair calls get no sinks (the driver differentiates them once per row).
+template <class T, class Mod = NoScoreMod>
 void ring_backward(const RingProblem<T>& rp, RingComm& rc,
                    const std::vector<TensorView<const T, 4>>& o_m,
                    const std::vector<TensorView<const T, 3>>& lse_m,
                    const std::vector<TensorView<const T, 4>>& dout_m,
                    const std::vector<TensorView<const T, 3>>& delta_m,
-                   std::vector<Tensor<T, 4>>& dq_m, Tensor<T, 1>& grad) {
+                   std::vector<Tensor<T, 4>>& dq_m, Tensor<T, 1>& grad, const Mod& mod = Mod()) {
   const int W = rc.size(), maps = rp.maps();
   const index_t elems = rp.block_elems();
   Tensor<T, 1> block[2] = {Tensor<T, 1>({elems}), Tensor<T, 1>({W > 1 ? elems : 0})};
@@ -279,7 +384,8 @@ void ring_backward(const RingProblem<T>& rp, RingComm& rc,
               rows_of(lse_m[m], w.q0, w.n), rows_of(dout_m[m], w.q0, w.n), dq_v, dk_v, dv_v, opt,
               rc.fn());
           bp.delta = rows_of(delta_m[m], w.q0, w.n);
-          run_attention_backward(bp, opt);
+          with_pair_mod(rp, mod, m, qr, kr,
+                        [&](const auto& pm) { run_attention_backward(bp, opt, pm); });
           const TensorView<T, 4> dq_acc = rows_of(dq_m[m].view(), w.q0, w.n);
           for (index_t b = 0; b < rp.B; ++b)
             for (index_t i = 0; i < w.n; ++i)
