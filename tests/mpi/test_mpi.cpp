@@ -187,15 +187,17 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
   o.window_left = c.window_left;
   o.window_right = c.window_right;
   o.num_threads = 1;
-  // Modifiers: ALiBi slopes and sinks of every query head, the same on every rank.
-  std::vector<float> slopes(static_cast<std::size_t>(qh)), sinks(slopes.size());
+  // Modifiers: ALiBi slopes and sinks of every query head, the same on every
+  // rank, as views with a stride of 2 (every other float of a buffer).
+  std::vector<float> slopes(static_cast<std::size_t>(2 * qh)), sinks(slopes.size());
   for (index_t h = 0; h < qh; ++h) {
-    slopes[static_cast<std::size_t>(h)] = 0.03f + 0.02f * static_cast<float>(h);
-    sinks[static_cast<std::size_t>(h)] = 0.4f * static_cast<float>(h % 3) - 0.3f;
+    slopes[static_cast<std::size_t>(2 * h)] = 0.03f + 0.02f * static_cast<float>(h);
+    sinks[static_cast<std::size_t>(2 * h)] = 0.4f * static_cast<float>(h % 3) - 0.3f;
+    slopes[static_cast<std::size_t>(2 * h + 1)] = sinks[static_cast<std::size_t>(2 * h + 1)] = 9.f;
   }
   o.softcap = c.mods.softcap;
-  if (c.mods.alibi) o.alibi_slopes = TensorView<const float, 1>(slopes.data(), {qh});
-  if (c.mods.sinks) o.sinks = TensorView<const float, 1>(sinks.data(), {qh});
+  if (c.mods.alibi) o.alibi_slopes = TensorView<const float, 1>(slopes.data(), {qh}, {2});
+  if (c.mods.sinks) o.sinks = TensorView<const float, 1>(sinks.data(), {qh}, {2});
   Tensor<T, 1> dsinks({c.mods.sinks ? qh : 0}), dsinksl({c.mods.sinks ? qh : 0});
   // The oracle on the whole sequence.
   Tensor<T, 4> out({B, N, oh, dv}), dq(q.shape()), dk(k.shape()), dvg(v.shape());

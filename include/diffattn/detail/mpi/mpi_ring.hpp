@@ -182,14 +182,14 @@ struct RingProblem {
 template <class Mod, bool kAlibi>
 struct RingMod {
   const Mod* user = nullptr;
-  const float* slopes = nullptr;  // (Hq), with kAlibi
-  index_t gq0 = 0, gk0 = 0;       // global positions of the pair's first query and key
-  index_t hmul = 1, hadd = 0;     // query head = hmul h + hadd
+  TensorView<const float, 1> slopes;  // (Hq), with kAlibi
+  index_t gq0 = 0, gk0 = 0;           // global positions of the pair's first query and key
+  index_t hmul = 1, hadd = 0;         // query head = hmul h + hadd
 
   index_t head(index_t h) const { return hmul * h + hadd; }
   template <class S>
   S alibi(S s, index_t qh, index_t gi, index_t gj) const {
-    if constexpr (kAlibi) s -= static_cast<S>(slopes[qh]) * static_cast<S>(std::abs(gi - gj));
+    if constexpr (kAlibi) s -= static_cast<S>(slopes(qh)) * static_cast<S>(std::abs(gi - gj));
     (void)qh, (void)gi, (void)gj;
     return s;
   }
@@ -236,7 +236,7 @@ void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardR
   auto make = [&](auto tag) {
     RingMod<Mod, decltype(tag)::value> r;
     r.user = &mod;
-    r.slopes = alibi ? rp.alibi_slopes.data() : nullptr;
+    r.slopes = rp.alibi_slopes;
     r.gq0 = qr.global;
     r.gk0 = kr.global;
     r.hmul = rp.kind == AttnKind::plain ? 1 : 2;
