@@ -3,10 +3,12 @@
 // its cap, its ALiBi bias, the mask and the sink column explicitly.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -16,6 +18,7 @@
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/packed.hpp>
+#include <diffattn/quantize.hpp>
 #include <diffattn/reference.hpp>
 
 #include "attention_support.hpp"
@@ -1012,4 +1015,469 @@ TEST_CASE("modifiers: V1 and V2 layers with softcap, ALiBi and learned sinks",
   c2.num_heads = 2;
   c2.num_kv_heads = 1;
   check_layer<diffattn::MultiheadDiffAttnV2<double>>(c2, "test_modifiers_v2.safetensors");
+}
+
+namespace {
+
+// A functor with every member, reading b, h, i and j: WarpScore's score, and
+// a mask hiding key i - 1, the keys with (j + b) % 11 == 4, and every key of
+// query head 1 in the rows with i % 5 == 0 (a sink, when set, takes them).
+struct PositionMod {
+  template <class S>
+  S score(S s, index_t b, index_t h, index_t i, index_t j) const {
+    return WarpScore{}.score(s, b, h, i, j);
+  }
+  template <class S>
+  S dscore(S s, index_t b, index_t h, index_t i, index_t j) const {
+    return WarpScore{}.dscore(s, b, h, i, j);
+  }
+  bool visible(index_t b, index_t h, index_t i, index_t j) const {
+    if (h == 1 && i % 5 == 0) return false;
+    return j != i - 1 && (j + b) % 11 != 4;
+  }
+};
+
+// PositionMod as the reference of a sub-problem (slice) applies it: batch
+// entry b of the call, the sub-problem's row i at the functor's i + ioff.
+void set_reference_functor(Case& sub, index_t b, index_t ioff) {
+  sub.fscore = [b, ioff](double s, index_t, index_t h, index_t i, index_t j) {
+    return warp_ref(s, b, h, i + ioff, j);
+  };
+  sub.fvisible = [b, ioff](index_t, index_t h, index_t i, index_t j) {
+    return PositionMod{}.visible(b, h, i + ioff, j);
+  };
+}
+
+// The case's *_kvcache kernel with the functor mod, caches of KV under queries of T.
+template <class T, class KV, class Mod>
+void run_kvcache_mod(const Case& c, const Inputs& in, const Tensor<T, 4>& q,
+                     const TensorView<const KV, 4>& k, const TensorView<const KV, 4>& v,
+                     const diffattn::KVCacheBatch& cache, Tensor<T, 4>& out,
+                     Tensor<diffattn::compute_t<T>, 3>& lse, const AttentionOptions& o,
+                     const Mod& mod) {
+  using C = diffattn::compute_t<T>;
+  switch (c.kind) {
+    case Kind::plain:
+      diffattn::attention_kvcache<T, KV>(q, k, v, out, lse, cache, o, mod);
+      break;
+    case Kind::v1:
+      diffattn::diff_attention_v1_kvcache<T, KV>(q, k, v, static_cast<C>(in.lam[0]), out, lse,
+                                                 cache, o, mod);
+      break;
+    case Kind::v1_heads: {
+      std::vector<C> lam(in.lam.begin(), in.lam.end());
+      const TensorView<const C, 1> lv(lam.data(), {static_cast<index_t>(lam.size())});
+      diffattn::diff_attention_v1_kvcache<T, KV>(q, k, v, lv, out, lse, cache, o, mod);
+      break;
+    }
+    default: {
+      const auto logit = cast<T>(in.logit);
+      diffattn::diff_attention_v2_kvcache<T, KV>(q, k, v, logit, out, lse, cache, o, mod);
+    }
+  }
+}
+
+// The float64 reference of a batch of caches (sequence b holding lens[b] keys
+// of in.k, in.v) under PositionMod: the functor's i is the query's position
+// row + lens[b] - n.
+Reference cache_reference(const Case& c, const Inputs& in, const std::vector<index_t>& lens) {
+  const index_t dv = in.v.shape(3), Hq = query_heads(c);
+  Reference r{Tensor<double, 4>({c.B, c.N, c.H, dv}), Tensor<double, 3>({c.B, Hq, c.N})};
+  for (index_t b = 0; b < c.B; ++b) {
+    const index_t m = lens[static_cast<std::size_t>(b)];
+    auto sub = slice(c, in, b, 0, c.N, 0, m);
+    set_reference_functor(sub.first, b, m - c.N);
+    const Reference rb = reference(sub.first, sub.second);
+    for (index_t i = 0; i < c.N; ++i) {
+      for (index_t h = 0; h < c.H; ++h)
+        for (index_t x = 0; x < dv; ++x) r.out(b, i, h, x) = rb.out(0, i, h, x);
+      for (index_t h = 0; h < Hq; ++h) r.lse(b, h, i) = rb.lse(0, h, i);
+    }
+  }
+  return r;
+}
+
+Tensor<index_t, 1> lengths(const std::vector<index_t>& lens) {
+  Tensor<index_t, 1> t({static_cast<index_t>(lens.size())});
+  for (std::size_t b = 0; b < lens.size(); ++b) t(static_cast<index_t>(b)) = lens[b];
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: functors over KV caches (contiguous, paged, split-KV, any thread count)",
+          "[modifiers][functor]") {
+  std::uint64_t seed = 7000;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    for (index_t n : {1, 3, 8}) {         // decoding steps, and a prefill chunk (block kernel)
+      Case c{kind, 2, n, 300, 2, 1, 16};  // capacity 300
+      c.causal = true;
+      c.softcap = 3.0f;
+      c.alibi = c.sinks = true;
+      INFO(kind_name(kind) << " n=" << n);
+      const Inputs in = make_inputs(c, seed++);
+      const std::vector<index_t> lens = {290, 41};
+      const Tensor<index_t, 1> seqlens = lengths(lens);
+      const Reference ref = cache_reference(c, in, lens);
+      const AttentionOptions o = options_of(c, in);
+      const Pool pool = make_pool(in.k, in.v, 16);
+      Tensor<double, 4> first(ref.out.shape());
+      Tensor<double, 3> first_lse(ref.lse.shape());
+      for (index_t split : {index_t(0), index_t(64)}) {  // one chunk; five and one
+        for (bool paged : {false, true}) {
+          for (int threads : {1, 2, 3}) {
+            INFO("split_keys " << split << " paged " << paged << " threads " << threads);
+            diffattn::KVCacheBatch cache;
+            cache.cache_seqlens = seqlens;
+            cache.split_keys = split;
+            AttentionOptions ot = o;
+            ot.num_threads = threads;
+            Tensor<double, 4> out(ref.out.shape());
+            Tensor<double, 3> lse(ref.lse.shape());
+            if (paged) {
+              cache.block_table = pool.table;
+              run_kvcache_mod<double, double>(c, in, in.q, pool.k, pool.v, cache, out, lse, ot,
+                                              PositionMod{});
+            } else {
+              run_kvcache_mod<double, double>(c, in, in.q, in.k, in.v, cache, out, lse, ot,
+                                              PositionMod{});
+            }
+            REQUIRE(rel_error(out, ref.out) <= 1e-12);
+            REQUIRE(lse_error(lse, ref.lse) <= 1e-12);
+            if (threads == 1) {
+              first = out;
+              first_lse = lse;
+            } else {
+              REQUIRE(test::bitwise_equal(out, first));
+              REQUIRE(test::bitwise_equal(lse, first_lse));
+            }
+          }
+        }
+      }
+      // float storage, split-KV.
+      diffattn::KVCacheBatch cache;
+      cache.cache_seqlens = seqlens;
+      cache.split_keys = 64;
+      const auto qf = cast<float>(in.q), kf = cast<float>(in.k), vf = cast<float>(in.v);
+      Tensor<float, 4> of(ref.out.shape());
+      Tensor<float, 3> lf(ref.lse.shape());
+      run_kvcache_mod<float, float>(c, in, qf, kf, vf, cache, of, lf, o, PositionMod{});
+      CHECK(rel_error(of, ref.out) <= 1e-5);
+      CHECK(lse_error(lf, ref.lse) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("modifiers: a document mask over a cache's positions, with visible_block",
+          "[modifiers][functor]") {
+  // Documents over the positions of each cache; the new queries are the last
+  // tokens of the last document, so i must be their position to see it.
+  std::vector<index_t> doc;
+  for (index_t s = 0; s < 4; ++s) doc.insert(doc.end(), static_cast<std::size_t>(70 + 9 * s), s);
+  const index_t cap = static_cast<index_t>(doc.size());
+  for (index_t n : {1, 20}) {
+    Case c{Kind::v2, 1, n, cap, 2, 1, 16};
+    c.causal = true;
+    c.sinks = true;
+    INFO("n=" << n);
+    const Inputs in = make_inputs(c, 7100 + static_cast<std::uint64_t>(n));
+    const index_t* dp = doc.data();
+    Case ref_case = c;
+    ref_case.fvisible = [dp, n, cap](index_t, index_t, index_t i, index_t j) {
+      return dp[i + cap - n] == dp[j];
+    };
+    const Reference ref = reference(ref_case, in);
+    const Tensor<index_t, 1> seqlens = lengths({cap});
+    diffattn::KVCacheBatch cache;
+    cache.cache_seqlens = seqlens;
+    cache.split_keys = 50;
+    Tensor<double, 4> out(ref.out.shape()), out_b(ref.out.shape());
+    Tensor<double, 3> lse(ref.lse.shape()), lse_b(ref.lse.shape());
+    const AttentionOptions o = options_of(c, in);
+    run_kvcache_mod<double, double>(c, in, in.q, in.k, in.v, cache, out, lse, o, DocumentMask{dp});
+    run_kvcache_mod<double, double>(c, in, in.q, in.k, in.v, cache, out_b, lse_b, o,
+                                    DocumentBlocks{dp});
+    REQUIRE(rel_error(out, ref.out) <= 1e-12);
+    REQUIRE(lse_error(lse, ref.lse) <= 1e-12);
+    REQUIRE(rel_error(out_b, ref.out) <= 1e-12);
+    REQUIRE(lse_error(lse_b, ref.lse) <= 1e-12);
+  }
+}
+
+TEMPLATE_TEST_CASE("modifiers: 8-bit caches with softcap, ALiBi, sinks and a functor",
+                   "[modifiers][functor]", std::int8_t, diffattn::float8_e4m3) {
+  using Q = TestType;
+  std::uint64_t seed = 7200;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v2}) {
+    for (index_t n : {1, 8}) {
+      for (int functor = 0; functor < 2; ++functor) {
+        Case c{kind, 2, n, 200, 2, 1, 16};  // d = 16: key products in float (no VNNI)
+        c.causal = true;
+        c.softcap = 3.0f;
+        c.alibi = c.sinks = true;
+        INFO(kind_name(kind) << " n=" << n << " functor " << functor);
+        Inputs in = make_inputs(c, seed++);
+        // The cache quantized; the reference runs on its dequantized values.
+        const auto kf = cast<float>(in.k), vf = cast<float>(in.v);
+        Tensor<Q, 4> kq(kf.shape()), vq(vf.shape());
+        Tensor<float, 3> ks({kf.shape(0), kf.shape(1), kf.shape(2)}),
+            vs({vf.shape(0), vf.shape(1), vf.shape(2)});
+        diffattn::quantize_rows<float, Q>(kf, kq, ks);
+        diffattn::quantize_rows<float, Q>(vf, vq, vs);
+        for (index_t x = 0; x < kq.size(); ++x)
+          in.k.data()[x] = static_cast<double>(ks.data()[x / c.d]) *
+                           static_cast<double>(static_cast<float>(kq.data()[x]));
+        const index_t dv = vq.shape(3);
+        for (index_t x = 0; x < vq.size(); ++x)
+          in.v.data()[x] = static_cast<double>(vs.data()[x / dv]) *
+                           static_cast<double>(static_cast<float>(vq.data()[x]));
+        const std::vector<index_t> lens = {187, 23};
+        const Tensor<index_t, 1> seqlens = lengths(lens);
+        Reference ref;
+        if (functor) {
+          ref = cache_reference(c, in, lens);
+        } else {
+          ref = Reference{Tensor<double, 4>({c.B, n, c.H, dv}),
+                          Tensor<double, 3>({c.B, query_heads(c), n})};
+          for (index_t b = 0; b < c.B; ++b) {
+            const auto sub = slice(c, in, b, 0, n, 0, lens[static_cast<std::size_t>(b)]);
+            const Reference rb = reference(sub.first, sub.second);
+            for (index_t i = 0; i < n; ++i) {
+              for (index_t h = 0; h < c.H; ++h)
+                for (index_t x = 0; x < dv; ++x) ref.out(b, i, h, x) = rb.out(0, i, h, x);
+              for (index_t h = 0; h < query_heads(c); ++h) ref.lse(b, h, i) = rb.lse(0, h, i);
+            }
+          }
+        }
+        diffattn::KVCacheBatch cache;
+        cache.cache_seqlens = seqlens;
+        cache.split_keys = 64;
+        cache.k_scale = ks;
+        cache.v_scale = vs;
+        const auto qf = cast<float>(in.q);
+        Tensor<float, 4> out(ref.out.shape());
+        Tensor<float, 3> lse(ref.lse.shape());
+        const AttentionOptions o = options_of(c, in);
+        if (functor)
+          run_kvcache_mod<float, Q>(c, in, qf, kq, vq, cache, out, lse, o, PositionMod{});
+        else
+          run_kvcache_mod<float, Q>(c, in, qf, kq, vq, cache, out, lse, o, diffattn::NoScoreMod{});
+        CHECK(rel_error(out, ref.out) <= 1e-5);
+        CHECK(lse_error(lse, ref.lse) <= 1e-5);
+      }
+    }
+  }
+}
+
+namespace {
+
+// A packed batch of four sequences (one empty) under PositionMod, the
+// functor's b the sequence and i, j within it.
+const std::vector<index_t> kPackedQ = {30, 0, 45, 3}, kPackedK = {40, 5, 45, 20};
+
+template <class T, class Mod>
+void run_varlen_mod(const Case& c, const Inputs& in, const Tensor<T, 4>& q, const Tensor<T, 4>& k,
+                    const Tensor<T, 4>& v, Tensor<T, 4>& out,
+                    Tensor<diffattn::compute_t<T>, 2>& lse, const diffattn::PackedSequences& seqs,
+                    const AttentionOptions& o, const Mod& mod) {
+  using C = diffattn::compute_t<T>;
+  auto d3 = [](const auto& t) {
+    using E = std::remove_const_t<std::remove_reference_t<decltype(*t.data())>>;
+    return TensorView<const E, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+  };
+  TensorView<T, 3> out3(out.data(), {out.shape(1), out.shape(2), out.shape(3)});
+  switch (c.kind) {
+    case Kind::plain:
+      diffattn::attention_varlen<T>(d3(q), d3(k), d3(v), out3, lse, seqs, o, mod);
+      break;
+    case Kind::v1:
+      diffattn::diff_attention_v1_varlen<T>(d3(q), d3(k), d3(v), static_cast<C>(in.lam[0]), out3,
+                                            lse, seqs, o, mod);
+      break;
+    case Kind::v1_heads: {
+      std::vector<C> lam(in.lam.begin(), in.lam.end());
+      diffattn::diff_attention_v1_varlen<T>(
+          d3(q), d3(k), d3(v), TensorView<const C, 1>(lam.data(), {c.H}), out3, lse, seqs, o, mod);
+      break;
+    }
+    default: {
+      const auto logit = cast<T>(in.logit);
+      diffattn::diff_attention_v2_varlen<T>(d3(q), d3(k), d3(v),
+                                            TensorView<const T, 2>(logit.data(), {c.N, c.H}), out3,
+                                            lse, seqs, o, mod);
+    }
+  }
+}
+
+Case packed_case(Kind kind) {
+  index_t Tq = 0, Tk = 0;
+  for (std::size_t s = 0; s < kPackedQ.size(); ++s) Tq += kPackedQ[s], Tk += kPackedK[s];
+  Case c{kind, 1, Tq, Tk, 2, 1, 8};
+  c.causal = true;
+  c.softcap = 2.5f;
+  c.alibi = c.sinks = true;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: functors over packed varlen batches, forward", "[modifiers][functor]") {
+  std::uint64_t seed = 7300;
+  const auto seqs = diffattn::PackedSequences::from_lengths(kPackedQ, kPackedK);
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    for (int window = 0; window < 2; ++window) {
+      Case c = packed_case(kind);
+      if (window) c.wl = 6;
+      INFO(kind_name(kind) << " window_left " << c.wl);
+      const Inputs in = make_inputs(c, seed++);
+      const index_t Hq = query_heads(c), dv = in.v.shape(3);
+      Reference ref{Tensor<double, 4>({1, c.N, c.H, dv}), Tensor<double, 3>({1, Hq, c.N})};
+      for (std::size_t s = 0; s < kPackedQ.size(); ++s) {
+        const index_t q0 = seqs.cu_seqlens_q[s], k0 = seqs.cu_seqlens_k[s];
+        auto sub = slice(c, in, 0, q0, kPackedQ[s], k0, kPackedK[s]);
+        set_reference_functor(sub.first, static_cast<index_t>(s), 0);
+        const Reference rs = reference(sub.first, sub.second);
+        for (index_t i = 0; i < kPackedQ[s]; ++i) {
+          for (index_t h = 0; h < c.H; ++h)
+            for (index_t x = 0; x < dv; ++x) ref.out(0, q0 + i, h, x) = rs.out(0, i, h, x);
+          for (index_t h = 0; h < Hq; ++h) ref.lse(0, h, q0 + i) = rs.lse(0, h, i);
+        }
+      }
+      const AttentionOptions o = options_of(c, in);
+      Tensor<double, 4> out(ref.out.shape());
+      Tensor<double, 2> lse({Hq, c.N});
+      run_varlen_mod<double>(c, in, in.q, in.k, in.v, out, lse, seqs, o, PositionMod{});
+      REQUIRE(rel_error(out, ref.out) <= 1e-12);
+      const Tensor<double, 3> lse3 = [&] {
+        Tensor<double, 3> t({1, Hq, c.N});
+        std::copy(lse.data(), lse.data() + lse.size(), t.data());
+        return t;
+      }();
+      REQUIRE(lse_error(lse3, ref.lse) <= 1e-12);
+      const auto qf = cast<float>(in.q), kf = cast<float>(in.k), vf = cast<float>(in.v);
+      Tensor<float, 4> of(ref.out.shape());
+      Tensor<float, 2> lf({Hq, c.N});
+      run_varlen_mod<float>(c, in, qf, kf, vf, of, lf, seqs, o, PositionMod{});
+      CHECK(rel_error(of, ref.out) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("modifiers: functors over packed varlen batches, backward (finite differences)",
+          "[modifiers][functor]") {
+  std::uint64_t seed = 7400;
+  const auto seqs = diffattn::PackedSequences::from_lengths(kPackedQ, kPackedK);
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    const Case c = packed_case(kind);
+    INFO(kind_name(kind));
+    Inputs in = make_inputs(c, seed++);
+    const index_t Hq = query_heads(c), dv = in.v.shape(3), Tq = c.N;
+    const auto g = random_tensor<double, 4>({1, Tq, c.H, dv}, seed + 50);
+    auto d3 = [](auto& t) {
+      using E = std::remove_reference_t<decltype(*t.data())>;
+      return TensorView<E, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+    };
+    const std::function<double()> f = [&] {
+      Tensor<double, 4> out(g.shape());
+      Tensor<double, 2> lse({Hq, Tq});
+      run_varlen_mod<double>(c, in, in.q, in.k, in.v, out, lse, seqs, options_of(c, in),
+                             PositionMod{});
+      double l = 0;
+      for (index_t x = 0; x < out.size(); ++x) l += out.data()[x] * g.data()[x];
+      return l;
+    };
+    // The kernel's gradients.
+    Tensor<double, 4> out(g.shape()), dq(in.q.shape()), dk(in.k.shape()), dv_(in.v.shape());
+    Tensor<double, 2> lse({Hq, Tq});
+    const AttentionOptions o = options_of(c, in);
+    run_varlen_mod<double>(c, in, in.q, in.k, in.v, out, lse, seqs, o, PositionMod{});
+    std::vector<double> dsinks(static_cast<std::size_t>(Hq));
+    const TensorView<double, 1> ds(dsinks.data(), {Hq});
+    const auto q3 = d3(std::as_const(in.q)), k3 = d3(std::as_const(in.k)),
+               v3 = d3(std::as_const(in.v)), o3 = d3(std::as_const(out)), g3 = d3(g);
+    switch (kind) {
+      case Kind::plain:
+        diffattn::attention_varlen_backward<double>(q3, k3, v3, o3, lse, g3, d3(dq), d3(dk),
+                                                    d3(dv_), seqs, o, ds, PositionMod{});
+        break;
+      case Kind::v1: {
+        double dl = 0;
+        diffattn::diff_attention_v1_varlen_backward<double>(q3, k3, v3, in.lam[0], o3, lse, g3,
+                                                            d3(dq), d3(dk), d3(dv_), dl, seqs, o,
+                                                            ds, PositionMod{});
+        break;
+      }
+      case Kind::v1_heads: {
+        std::vector<double> dl(in.lam.size());
+        diffattn::diff_attention_v1_varlen_backward<double>(
+            q3, k3, v3, TensorView<const double, 1>(in.lam.data(), {c.H}), o3, lse, g3, d3(dq),
+            d3(dk), d3(dv_), TensorView<double, 1>(dl.data(), {c.H}), seqs, o, ds, PositionMod{});
+        break;
+      }
+      default: {
+        Tensor<double, 2> dlogit({Tq, c.H});
+        diffattn::diff_attention_v2_varlen_backward<double>(
+            q3, k3, v3, TensorView<const double, 2>(in.logit.data(), {Tq, c.H}), o3, lse, g3,
+            d3(dq), d3(dk), d3(dv_), dlogit, seqs, o, ds, PositionMod{});
+      }
+    }
+    diffattn::detail::Rng rng(seed + 60);
+    auto check_tensor = [&](const char* name, Tensor<double, 4>& x, const Tensor<double, 4>& dx) {
+      double scale = 0;
+      for (index_t t = 0; t < dx.size(); ++t) scale = std::max(scale, std::abs(dx.data()[t]));
+      REQUIRE(scale > 0);
+      for (int s = 0; s < 12; ++s) {
+        const index_t t = static_cast<index_t>(rng.uniform() * static_cast<double>(x.size()));
+        double* p = x.data() + t;
+        const double num = numeric([&](double y) { return *p = y; }, *p, 1e-3, f);
+        INFO(name << "[" << t << "]: kernel " << dx.data()[t] << ", numeric " << num);
+        CHECK(std::abs(dx.data()[t] - num) <= 1e-6 * (1 + scale));
+      }
+    };
+    check_tensor("dq", in.q, dq);
+    check_tensor("dk", in.k, dk);
+    check_tensor("dv", in.v, dv_);
+    double scale = 0;
+    for (double x : dsinks) scale = std::max(scale, std::abs(x));
+    for (std::size_t h = 0; h < in.sinks.size(); ++h) {
+      float* p = &in.sinks[h];
+      const double num = numeric([&](double y) { return *p = static_cast<float>(y); },
+                                 static_cast<double>(*p), 0x1p-8, f);
+      INFO("dsinks[" << h << "]: kernel " << dsinks[h] << ", numeric " << num);
+      CHECK(std::abs(dsinks[h] - num) <= 1e-6 * (1 + scale));
+    }
+  }
+}
+
+TEST_CASE("modifiers: an empty functor over caches and packed batches is the call without one",
+          "[modifiers][functor]") {
+  Case c{Kind::v1, 2, 1, 300, 2, 1, 16};
+  c.causal = true;
+  c.sinks = true;
+  const Inputs in = make_inputs(c, 7500);
+  const auto q = cast<float>(in.q), k = cast<float>(in.k), v = cast<float>(in.v);
+  const Tensor<index_t, 1> seqlens = lengths({290, 41});
+  diffattn::KVCacheBatch cache;
+  cache.cache_seqlens = seqlens;
+  cache.split_keys = 64;
+  const AttentionOptions o = options_of(c, in);
+  Tensor<float, 4> a({2, 1, 2, 32}), b(a.shape());
+  Tensor<float, 3> la({2, 4, 1}), lb(la.shape());
+  diffattn::diff_attention_v1_kvcache<float>(q, k, v, static_cast<float>(in.lam[0]), a, la, cache,
+                                             o);
+  diffattn::diff_attention_v1_kvcache<float>(q, k, v, static_cast<float>(in.lam[0]), b, lb, cache,
+                                             o, Empty{});
+  REQUIRE(test::bitwise_equal(a, b));
+  REQUIRE(test::bitwise_equal(la, lb));
+  const Case p = packed_case(Kind::v2);
+  const Inputs pin = make_inputs(p, 7501);
+  const auto seqs = diffattn::PackedSequences::from_lengths(kPackedQ, kPackedK);
+  const auto pq = cast<float>(pin.q), pk = cast<float>(pin.k), pv = cast<float>(pin.v);
+  Tensor<float, 4> pa({1, p.N, p.H, p.d}), pb(pa.shape());
+  Tensor<float, 2> pla({2 * p.H, p.N}), plb(pla.shape());
+  const AttentionOptions po = options_of(p, pin);
+  run_varlen_mod<float>(p, pin, pq, pk, pv, pa, pla, seqs, po, diffattn::NoScoreMod{});
+  run_varlen_mod<float>(p, pin, pq, pk, pv, pb, plb, seqs, po, Empty{});
+  REQUIRE(test::bitwise_equal(pa, pb));
+  REQUIRE(test::bitwise_equal(pla, plb));
 }

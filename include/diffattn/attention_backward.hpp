@@ -113,8 +113,9 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
 /// \name With a user score functor
 /// The backward kernels above with the forward's functor `mod`; one with
 /// `score` must define `dscore` (d score / d s, s the score it was given),
-/// else the call does not compile. The backward evaluates the functor on
-/// every pair of each block's band (no narrowing by `visible`).
+/// else the call does not compile. Each query block's keys are narrowed to
+/// those `visible` leaves it, as in the forward (clamp_rows); inside that
+/// range the functor is evaluated on every pair.
 /// @{
 
 /// diff_attention_v1_backward (one lambda) with the forward's functor `mod`.

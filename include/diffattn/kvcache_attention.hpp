@@ -208,17 +208,19 @@ void fail_bad_scale(const char* fn, const AttentionProblem<T, KV>& p, const char
   }
 }
 
-/// Runs a validated kvcache problem; with an 8-bit cache, throws after the
-/// kernel if it met a bad scale.
-template <class T, class KV>
-void run_kvcache(const char* fn, AttentionProblem<T, KV>& p, const AttentionOptions& options) {
+/// Runs a validated kvcache problem (with a user functor `mod`, header-only:
+/// run_attention); with an 8-bit cache, throws after the kernel if it met a
+/// bad scale.
+template <class T, class KV, class Mod = NoScoreMod>
+void run_kvcache(const char* fn, AttentionProblem<T, KV>& p, const AttentionOptions& options,
+                 const Mod& mod = Mod()) {
   if constexpr (!is_8bit_storage_v<KV>) {
     (void)fn;
-    run_attention(p, options);
+    run_attention(p, options, mod);
   } else {
     ScaleCheck check;
     p.scale_check = &check;
-    run_attention(p, options);
+    run_attention(p, options, mod);
     if (check.bad.load(std::memory_order_relaxed)) {
       fail_bad_scale(fn, p, "k_scale", p.k_scale);
       fail_bad_scale(fn, p, "v_scale", p.v_scale);
@@ -348,6 +350,84 @@ void attention_kvcache(detail::nondeduced_view<const T, 4> q,
   detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
   detail::run_kvcache(fn, p, options);
 }
+
+/// \name With a user score functor
+/// The kernels above with a functor `mod`, as in attention.hpp (NoScoreMod in
+/// options.hpp lists its optional members), inlined into the kernel and run
+/// header-only. The functor's b is the batch entry, h the query head, j the
+/// key's index in sequence b's cache, and i the query's position there:
+/// i = row + m_b - n for row `row` of the n new queries, the key index of the
+/// query's own token (a decoding step's query is key m_b - 1). Decoding steps
+/// call the functor in the decoding kernel on every split-KV chunk's keys (the
+/// result is still bitwise the same for any thread count); prefill chunks in
+/// the block kernel, which narrows each block's keys to those `visible`
+/// leaves it.
+/// @{
+
+/// diff_attention_v1_kvcache (one lambda) with a user score functor `mod`.
+template <class T, class KV = T, class Mod>
+void diff_attention_v1_kvcache(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const KV, 4> k_cache,
+    detail::nondeduced_view<const KV, 4> v_cache, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<T, 4> out, detail::nondeduced_view<compute_t<T>, 3> lse,
+    const KVCacheBatch& cache, const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_kvcache";
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v1<T, KV>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_kvcache(fn, p, options, mod);
+}
+
+/// diff_attention_v1_kvcache (lambda per DIFF head, (H)) with a user score functor `mod`.
+template <class T, class KV = T, class Mod>
+void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
+                               const KVCacheBatch& cache, const AttentionOptions& options,
+                               const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_kvcache";
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v1<T, KV>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_kvcache(fn, p, options, mod);
+}
+
+/// diff_attention_v2_kvcache with a user score functor `mod`.
+template <class T, class KV = T, class Mod>
+void diff_attention_v2_kvcache(
+    detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<const KV, 4> k_cache,
+    detail::nondeduced_view<const KV, 4> v_cache, detail::nondeduced_view<const T, 3> lambda_logit,
+    detail::nondeduced_view<T, 4> out, detail::nondeduced_view<compute_t<T>, 3> lse,
+    const KVCacheBatch& cache, const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v2_kvcache";
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_v2<T, KV>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_kvcache(fn, p, options, mod);
+}
+
+/// attention_kvcache (plain softmax) with a user score functor `mod`.
+template <class T, class KV = T, class Mod>
+void attention_kvcache(detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const KV, 4> k_cache,
+                       detail::nondeduced_view<const KV, 4> v_cache,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse, const KVCacheBatch& cache,
+                       const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "attention_kvcache";
+  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  detail::AttentionProblem<T, KV> p =
+      detail::validate_plain<T, KV>(q, kv[0], kv[1], out, lse, options, fn);
+  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  detail::run_kvcache(fn, p, options, mod);
+}
+/// @}
 
 /// @}
 

@@ -68,7 +68,10 @@ struct AttentionOptions {
 ///   template \<class S\> S dscore(S s, index_t b, index_t h, index_t i, index_t j) const;
 /// score replaces the (capped, biased) score s of query i and key j of query
 /// head h in batch entry b; visible false masks the pair; dscore is
-/// d score / d s, which a backward call needs when score is defined.
+/// d score / d s, which a backward call needs when score is defined. In a
+/// packed batch b is the sequence and i, j count within it; over KV caches j
+/// is the key's index in sequence b's cache and i the query's position there
+/// (its row + cache_seqlens(b) - n).
 struct NoScoreMod {};
 
 /// The standard ALiBi slopes (Press et al., BLOOM) of n heads: for n a power

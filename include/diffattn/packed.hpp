@@ -232,6 +232,160 @@ void attention_varlen_backward(
   detail::run_attention_backward(bp, options);
 }
 
+/// \name With a user score functor
+/// The kernels above with a functor `mod`, as in attention.hpp and
+/// attention_backward.hpp (NoScoreMod in options.hpp lists its optional
+/// members), inlined into the kernel and run header-only. The functor's b is
+/// the sequence's index s in the packed batch, h the query head, and i, j the
+/// query and key within the sequence (0 at cu_seqlens_q[s] and
+/// cu_seqlens_k[s]). A backward needs `dscore` when `score` is defined.
+/// @{
+
+/// diff_attention_v1_varlen (one lambda) with a user score functor `mod`.
+template <class T, class Mod>
+void diff_attention_v1_varlen(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
+    const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_varlen";
+  detail::AttentionProblem<T> p = detail::validate_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
+      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
+  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::run_attention(p, options, mod);
+}
+
+/// diff_attention_v1_varlen (lambda per DIFF head, (H)) with a user score functor `mod`.
+template <class T, class Mod>
+void diff_attention_v1_varlen(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
+    const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_varlen";
+  detail::AttentionProblem<T> p = detail::validate_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
+      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
+  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::run_attention(p, options, mod);
+}
+
+/// diff_attention_v2_varlen with a user score functor `mod`.
+template <class T, class Mod>
+void diff_attention_v2_varlen(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 2> lambda_logit,
+    detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
+    const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v2_varlen";
+  detail::AttentionProblem<T> p = detail::validate_v2<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
+      detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse), options, fn);
+  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::run_attention(p, options, mod);
+}
+
+/// attention_varlen (plain softmax) with a user score functor `mod`.
+template <class T, class Mod>
+void attention_varlen(detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+                      detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<T, 3> out,
+                      detail::nondeduced_view<compute_t<T>, 2> lse, const PackedSequences& seqs,
+                      const AttentionOptions& options, const Mod& mod) {
+  constexpr const char* fn = "attention_varlen";
+  detail::AttentionProblem<T> p =
+      detail::validate_plain<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
+                                detail::as_batch1(out), detail::as_batch1(lse), options, fn);
+  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::run_attention(p, options, mod);
+}
+
+/// diff_attention_v1_varlen_backward (one lambda) with the forward's functor `mod`.
+template <class T, class Mod>
+void diff_attention_v1_varlen_backward(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<compute_t<T>> lambda,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
+    detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
+    detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv, T& dlambda,
+    const PackedSequences& seqs, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_varlen_backward";
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_varlen_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp =
+      detail::backward_v1<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
+                             &lambda, nullptr, detail::as_batch1(out), detail::as_batch1(lse),
+                             detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
+                             detail::as_batch1(dv), TensorView<T, 1>(&dlambda, {1}), options, fn);
+  detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+
+/// diff_attention_v1_varlen_backward (lambda per DIFF head) with the forward's functor `mod`.
+template <class T, class Mod>
+void diff_attention_v1_varlen_backward(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const compute_t<T>, 1> lambda,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
+    detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
+    detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
+    detail::nondeduced_view<T, 1> dlambda, const PackedSequences& seqs,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v1_varlen_backward";
+  static_assert(!is_half_storage_v<T>, "diff_attention_v1_varlen_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
+      detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
+      detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv), dlambda, options, fn);
+  detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+
+/// diff_attention_v2_varlen_backward with the forward's functor `mod`.
+template <class T, class Mod>
+void diff_attention_v2_varlen_backward(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 2> lambda_logit,
+    detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
+    detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
+    detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
+    detail::nondeduced_view<T, 2> dlambda_logit, const PackedSequences& seqs,
+    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  constexpr const char* fn = "diff_attention_v2_varlen_backward";
+  static_assert(!is_half_storage_v<T>, "diff_attention_v2_varlen_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_v2<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
+      detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse),
+      detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv),
+      detail::as_batch1(dlambda_logit), options, fn);
+  detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+
+/// attention_varlen_backward with the forward's functor `mod`.
+template <class T, class Mod>
+void attention_varlen_backward(
+    detail::nondeduced_view<const T, 3> q, detail::nondeduced_view<const T, 3> k,
+    detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<const T, 3> out,
+    detail::nondeduced_view<const compute_t<T>, 2> lse, detail::nondeduced_view<const T, 3> dout,
+    detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
+    detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs, const AttentionOptions& options,
+    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
+  constexpr const char* fn = "attention_varlen_backward";
+  static_assert(!is_half_storage_v<T>, "attention_varlen_backward: no 16-bit storage");
+  detail::BackwardProblem<T> bp = detail::backward_plain<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), detail::as_batch1(out),
+      detail::as_batch1(lse), detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
+      detail::as_batch1(dv), options, fn);
+  detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  detail::attach_dsinks(fn, bp, dsinks);
+  detail::run_attention_backward(bp, options, mod);
+}
+/// @}
+
 /// @}
 
 DIFFATTN_END_NAMESPACE

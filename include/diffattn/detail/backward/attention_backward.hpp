@@ -116,6 +116,8 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
   const AttentionProblem<T>& p = bp.fwd;
   const int maps = p.maps();
   const index_t diag = (i - sq.q0) + sq.m - sq.n;
+  ModCoords mc;  // the functor's b and i (packed: b the sequence)
+  if constexpr (kScore || kVisible) mc = mod_coords(p, sq);
   RowMods<T> rm[2];
   T* th[2] = {nullptr, nullptr};
   T pz[2] = {T(0), T(0)};  // sink weight of each map
@@ -125,7 +127,7 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
     modify_scores(r[m], n, rm[m], diag, kb, th[m]);
     if constexpr (kScore) sin[m] = ws.sin[m].get(std::max<index_t>(n, 1));
     if constexpr (kScore || kVisible)
-      functor_scores(mod, r[m], n, sq.b, hm.q[m], i - sq.q0, kb, sin[m]);
+      functor_scores(mod, r[m], n, mc.b, hm.q[m], i - sq.q0 + mc.ioff, kb, sin[m]);
     ArrayMap a(r[m], n);
     const T lse = p.lse(sq.b, hm.q[m], i);
     if (lse == -std::numeric_limits<T>::infinity()) {
@@ -169,7 +171,7 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
   if constexpr (kScore && has_dscore<Mod, T>::value) {  // (else: the static_assert alone)
     for (int m = 0; m < maps; ++m)
       for (index_t j = 0; j < n; ++j)
-        r[m][j] *= mod.dscore(sin[m][j], sq.b, hm.q[m], i - sq.q0, kb + j);
+        r[m][j] *= mod.dscore(sin[m][j], mc.b, hm.q[m], i - sq.q0 + mc.ioff, kb + j);
   }
   for (int m = 0; m < maps; ++m)
     if (th[m]) {
@@ -230,7 +232,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
     double dlambda_sum = 0;
     for (index_t blk = 0; blk < nblocks; ++blk) {
       const index_t i0 = blk * BM;
-      const BlockRows br{p.band, N, M, i0, std::min(BM, N - i0)};
+      const auto br =
+          visible_rows(mod, p, sq, BlockRows{p.band, N, M, i0, std::min(BM, N - i0)}, hm);
       const index_t rows = br.rows;
       const index_t rows_pad = round_up(rows, MR), tiles = rows_pad / MR;
       auto tile_lo = [&](index_t r) { return br.begin(r * MR); };

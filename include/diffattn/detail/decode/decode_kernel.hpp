@@ -787,9 +787,18 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
 /// of its key head after their lanes are summed (one product per score) and
 /// to its weights before the V pass (one per weight), so the products over
 /// the features run as for any other row.
-template <class T, class KV, class C>
+///
+/// A user functor (Mod other than NoScoreMod) modifies and masks each row's
+/// scores of the chunk after softcap and ALiBi, before its softmax
+/// (score_mods.hpp's functor_scores); keys it masks get weight 0.
+template <class T, class KV, class C, class Mod = NoScoreMod>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse) {
+                   index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse,
+                   const Mod& mod = Mod()) {
+  constexpr bool kFunctor = is_active_mod<Mod, C>;
+  ModCoords mc;
+  if constexpr (kFunctor) mc = mod_coords(p, sq);
+  (void)mod, (void)mc;
   using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
   constexpr index_t P = TileConfig<C>::kPacket;
   const index_t n = dl.n, d = p.head_dim, dv = p.value_dim, R = dl.rows();
@@ -969,12 +978,14 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     }
     const index_t ii = r % n, cnt = re[ii] - rb[ii];
     C* w = s + r * lds + (rb[ii] - jlo);
-    if (p.modified) {  // softcap and ALiBi; the sink joins in decode_finish
+    if (p.modified || kFunctor) {  // the sink joins in decode_finish
       const index_t l = r / n;
-      const RowMods<C> rm = row_mods(p, head_map(p, l / dl.maps).q[l % dl.maps]);
-      modify_scores(w, cnt, rm, ii + sq.m - sq.n, rb[ii]);
+      const index_t qh = head_map(p, l / dl.maps).q[l % dl.maps];
+      if (p.modified) modify_scores(w, cnt, row_mods(p, qh), ii + sq.m - sq.n, rb[ii]);
+      if constexpr (kFunctor) functor_scores(mod, w, cnt, mc.b, qh, ii + mc.ioff, rb[ii]);
     }
-    const RowStats<C> st = exp_row(w, cnt, false);
+    const RowStats<C> st =
+        has_visible<Mod>::value ? exp_row_masked(w, cnt) : exp_row(w, cnt, false);
     lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<C>::infinity();
     const C c = st.sum > C(0) ? C(1) / st.sum : C(0);
     ArrayMap(w, cnt) *= c;

@@ -94,10 +94,13 @@ struct FusedRows {
     const index_t diag = (i - sq.q0) + sq.m - sq.n;  // i + M - N within the sequence
     C coef[2] = {C(1), C(0)};
     C* rows[2] = {w, w2};
+    ModCoords mc;
+    if constexpr (kFunctor) mc = mod_coords(p, sq);
     for (int m = 0; m < (w2 ? 2 : 1); ++m) {
       const RowMods<C> rm = row_mods(p, hm.q[m]);
       modify_scores(rows[m], n, rm, diag, kb);
-      if constexpr (kFunctor) functor_scores(mod, rows[m], n, sq.b, hm.q[m], i - sq.q0, kb);
+      if constexpr (kFunctor)
+        functor_scores(mod, rows[m], n, mc.b, hm.q[m], i - sq.q0 + mc.ioff, kb);
       const RowStats<C> st = kVisible ? exp_row_masked(rows[m], n) : exp_row(rows[m], n, false);
       SinkNorm<C> sn{st.sum > C(0) ? C(1) / st.sum : C(0), row_lse(st)};
       if (rm.has_sink) sn = sink_norm(st, rm.sink);
@@ -127,17 +130,15 @@ struct FusedRows {
 
 /// The rows of a block as process_block sees them: the band's, or (a user
 /// functor with `visible`) narrowed to the keys it makes visible.
-template <class RowsDo>
-BlockRows block_rows_of(const RowsDo&, const BlockRows& br, index_t, const HeadMap&, int) {
+template <class T, class KV, class RowsDo>
+BlockRows block_rows_of(const RowsDo&, const AttentionProblem<T, KV>&, const SeqSpan&,
+                        const BlockRows& br, const HeadMap&) {
   return br;
 }
 template <class T, class KV, class C, class Mod>
-auto block_rows_of(const FusedRows<T, KV, C, Mod>& rows_do, const BlockRows& br, index_t b,
-                   const HeadMap& hm, int maps) {
-  if constexpr (has_visible<Mod>::value)
-    return clamp_rows(rows_do.mod, br, b, hm.q, maps);
-  else
-    return br;
+auto block_rows_of(const FusedRows<T, KV, C, Mod>& rows_do, const AttentionProblem<T, KV>& p,
+                   const SeqSpan& sq, const BlockRows& br, const HeadMap& hm) {
+  return visible_rows(rows_do.mod, p, sq, br, hm);
 }
 
 /// One task: sequence `seq`, output head oh, query block blk (decoding steps,
@@ -174,8 +175,8 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   const index_t d = p.head_dim, dv = p.value_dim;
   const index_t i0 = blk * BM;
   const HeadMap hm = head_map(p, oh);
-  const auto br = block_rows_of(rows_do, BlockRows{p.band, sq.n, sq.m, i0, std::min(BM, sq.n - i0)},
-                                sq.b, hm, p.maps());
+  const auto br =
+      block_rows_of(rows_do, p, sq, BlockRows{p.band, sq.n, sq.m, i0, std::min(BM, sq.n - i0)}, hm);
   const index_t rows = br.rows;
   const index_t rows_pad = round_up(rows, MR);
   const index_t tiles = rows_pad / MR;
@@ -410,8 +411,7 @@ template <class T, class KV, class Mod = NoScoreMod>
 void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptions& options,
                           const Mod& mod = Mod()) {
   using C = compute_t<T>;
-  // A user functor runs in process_block only (the decoding step knows none).
-  constexpr bool functor = is_active_mod<Mod, C>;
+  // A user functor runs in process_block (FusedRows) and in the decoding step.
   const FusedRows<T, KV, C, Mod> rows_do{mod};
   using Cfg = TileConfig<C>;
   const index_t bm = Cfg::kBlockM;
@@ -429,7 +429,7 @@ void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptio
   for (index_t s = 0; s < S; ++s) {
     const SeqSpan sq = p.seq(s);
     index_t tasks = 0, states = 0;
-    if (sq.n > 0 && sq.n < Cfg::kMR && !functor) {
+    if (sq.n > 0 && sq.n < Cfg::kMR) {
       plan[at(s)] = decode_chunks(p, sq);
       chunks[at(s)] = plan[at(s)].count;
       tasks = chunks[at(s)];
@@ -461,11 +461,11 @@ void run_attention_kernel(const AttentionProblem<T, KV>& p, const AttentionOptio
       if (nc == 1) {
         C* o = ws.o.get(dl.rows() * dv);
         C* lse = ws.lse.get(dl.rows());
-        decode_states(p, sq, dl, pl.begin(0), pl.end(0), ws, o, lse);
+        decode_states(p, sq, dl, pl.begin(0), pl.end(0), ws, o, lse, mod);
         decode_finish(p, sq, dl, o, lse, ws);
       } else {
         C* o = states.data() + state_first[at(s)] + local * dl.rows() * (dv + 1);
-        decode_states(p, sq, dl, pl.begin(c), pl.end(c), ws, o, o + dl.rows() * dv);
+        decode_states(p, sq, dl, pl.begin(c), pl.end(c), ws, o, o + dl.rows() * dv, mod);
       }
       return;
     }

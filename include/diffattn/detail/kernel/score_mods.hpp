@@ -9,6 +9,7 @@
 // AttentionProblem::modified once per row, before the softmax).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -96,6 +97,25 @@ void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index
   (void)mod, (void)w, (void)n, (void)b, (void)h, (void)i, (void)kb, (void)score_in;
 }
 
+/// What a user functor is told about the rows of sequence sq: `b`, the batch
+/// entry, or (packed batches) the sequence's index; `ioff`, added to a query's
+/// row within the sequence to give the functor's i: 0, or (KV caches) m_b - n,
+/// so that i is the query's position among the sequence's keys (the key index
+/// of its own token when the cache holds it). j is always the key index within
+/// the sequence.
+struct ModCoords {
+  index_t b = 0, ioff = 0;
+};
+template <class T, class KV>
+ModCoords mod_coords(const AttentionProblem<T, KV>& p, const SeqSpan& sq) {
+  ModCoords c{sq.b, 0};
+  // A sequence with rows starts at cu_q[s] < cu_q[s + 1]: the last offset <= q0.
+  if (p.cu_q)
+    c.b = static_cast<index_t>(std::upper_bound(p.cu_q, p.cu_q + p.packed + 1, sq.q0) - p.cu_q) - 1;
+  if (!p.cache_seqlens.empty()) c.ioff = sq.m - sq.n;
+  return c;
+}
+
 /// The rows of a block narrowed to [lo, hi), the keys some row of the block
 /// sees under the functor's `visible` (begin and end stay non-decreasing).
 struct ClampedRows : BlockRows {
@@ -114,15 +134,16 @@ struct ClampedRows : BlockRows {
 /// computed; inside it the softmax step masks the pairs (functor_scores:
 /// every pair evaluated, or only those of the chunks visible_block calls
 /// partial).
+/// The functor sees the block's row ii as query br.i0 + ii + ioff (ModCoords).
 template <class Mod>
-ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const index_t* qh,
-                       int maps) {
+ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, index_t ioff,
+                       const index_t* qh, int maps) {
   ClampedRows cr;
   static_cast<BlockRows&>(cr) = br;
   const index_t jb = br.begin(0), je = std::max(jb, br.end(br.rows - 1));
   if constexpr (has_visible_block<Mod>::value) {
     // Chunks of kVisibleChunk keys, classified for the block's rows at once.
-    const index_t i0 = br.i0, i1 = br.i0 + br.rows;
+    const index_t i0 = br.i0 + ioff, i1 = br.i0 + br.rows + ioff;
     auto any = [&](index_t j0, index_t j1) {
       for (int m = 0; m < maps; ++m)
         if (mod.visible_block(b, qh[m], i0, i1, j0, j1) != 0) return true;
@@ -147,7 +168,7 @@ ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const ind
     for (index_t ii = 0; ii < br.rows; ++ii) {
       if (j < br.begin(ii) || j >= br.end(ii)) continue;
       for (int m = 0; m < maps; ++m)
-        if (mod.visible(b, qh[m], br.i0 + ii, j)) return true;
+        if (mod.visible(b, qh[m], br.i0 + ii + ioff, j)) return true;
     }
     return false;
   };
@@ -165,6 +186,20 @@ ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, const ind
       break;
     }
   return cr;
+}
+
+/// A block's rows as the kernels walk them: the band's, or (a functor with
+/// `visible`) narrowed by clamp_rows for the maps of output head hm.
+template <class Mod, class T, class KV>
+auto visible_rows(const Mod& mod, const AttentionProblem<T, KV>& p, const SeqSpan& sq,
+                  const BlockRows& br, const HeadMap& hm) {
+  if constexpr (has_visible<Mod>::value) {
+    const ModCoords mc = mod_coords(p, sq);
+    return clamp_rows(mod, br, mc.b, mc.ioff, hm.q, p.maps());
+  } else {
+    (void)mod, (void)p, (void)sq, (void)hm;
+    return br;
+  }
 }
 
 /// The modifiers of one query head in the compute type C.
