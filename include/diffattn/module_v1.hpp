@@ -110,7 +110,6 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   using C = compute_t<T>;
   using Base = detail::ModuleBase<MultiheadDiffAttnV1<T>, T>;
   friend Base;
-  static constexpr bool kTrainable = !is_half_storage_v<T>;
 
  public:
   /// The configuration type, DiffAttnV1Config.
@@ -161,87 +160,15 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     return static_cast<C>(
         lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_).value());
   }
-  /// forward(x, position_offset) and forward(x, packed), set_num_threads,
-  /// backward, gradients, zero_grad, parameters, num_parameters and
-  /// save_safetensors, make_cache: see detail::ModuleBase. Errors name
-  /// MultiheadDiffAttnV1::<method>. The layer's KV cache holds keys (2Hkv
-  /// heads of d) after rotary and values (Hkv heads of 2d).
+  /// forward(x, position_offset), forward(x, packed) and forward(x, cache),
+  /// set_num_threads, backward, gradients, zero_grad, parameters,
+  /// num_parameters and save_safetensors, make_cache, attention_maps: see
+  /// detail::ModuleBase. Errors name MultiheadDiffAttnV1::<method>. The
+  /// layer's KV cache holds keys (2Hkv heads of d) after rotary and values
+  /// (Hkv heads of 2d). attention_maps returns W (B, H, N, N) with
+  /// W[b, h] = A1 - lambda_full A2 of DIFF head h (rows sum to 1 - lambda_full).
   using Base::forward;
   using Base::parameter_shapes;
-
-  /// Runs the layer on n >= 1 new tokens per sequence, x (B, n, E), after the
-  /// cache.size() tokens the cache holds: rotates the new queries and keys at
-  /// positions cache.size() .. cache.size() + n - 1, appends the new keys and
-  /// values, attends causally (and within the window) over everything cached,
-  /// and returns y (B, n, E). Prefill then token-by-token decoding gives what
-  /// forward gives on the whole sequence. Keeps nothing for backward (a later
-  /// backward throws until the next forward). Throws, changing nothing, when
-  /// the cache is full, was made for another layer or another batch size. A
-  /// 16-bit cache (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is
-  /// read by the kernel in compute_type, the new keys and values rounded to S
-  /// when appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
-  /// gets them quantized per row with their scales, and a non-finite key or
-  /// value throws, changing nothing.
-  template <class S>
-  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
-    this->check_cache(x, cache);
-    const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
-    saved_ = Saved{};
-    Tensor<C, 4> q, k, v;
-    project(detail::module_contiguous_copy<T>(x), cache.size(), nullptr, q, k, v);
-    Tensor<C, 4> attn({b, n, h, 2 * d_});  // (B, n, H, 2d)
-    const C lambda = lambda_full();
-    const AttentionOptions o = options();
-    detail::module_cache_append(cache, k, v, [&](index_t a, index_t np, auto keys, auto values) {
-      if constexpr (std::is_same<S, C>::value) {
-        diff_attention_v1<C>(detail::module_rows(q, a, np), keys, values, lambda,
-                             detail::module_rows(attn, a, np), o);
-      } else {  // every sequence holds all of keys: the cache kernel reads S rows
-        const detail::FullCache full(b, cache, np);
-        diff_attention_v1_kvcache<C, S>(detail::module_rows(q, a, np), keys, values, lambda,
-                                        detail::module_rows(attn, a, np), {}, full.batch, o);
-      }
-    });
-    Tensor<C, 4> normed({b, n, h, 2 * d_});  // (B, n, H, 2d)
-    Tensor<C, 1> wbuf;
-    rms_norm<C>(attn, detail::module_compute_view(subln_weight_, wbuf), normed.view(),
-                cfg_.norm_eps, 1.0 - lambda_init_);
-    Tensor<T, 3> y({b, n, e});  // (B, n, E), rounded once for a 16-bit layer
-    detail::module_linear(normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
-                          num_threads_);
-    return y;
-  }
-
-  /// The differential attention maps of x (B, N, E), materialised for analysis:
-  /// returns W (B, H, N, N) with W[b, h] = A1 - lambda_full A2 of DIFF head h,
-  /// row i the weights token i puts on tokens 0 .. N - 1 (rows sum to
-  /// 1 - lambda_full; masked entries 0 under the causal mask). Costs O(B H N^2)
-  /// memory; leaves the state kept for backward untouched. Same arguments and
-  /// errors as forward. In compute_type (float for a 16-bit layer).
-  Tensor<C, 4> attention_maps(TensorView<const T, 3> x, index_t position_offset = 0) const {
-    const index_t h = cfg_.num_heads;
-    this->check_input("attention_maps", x);
-    if (position_offset < 0)
-      this->fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
-    const index_t b = x.shape(0), n = x.shape(1);
-    Tensor<C, 4> q, k, v;
-    if (mods_.any(cfg_.sinks))
-      this->fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
-    project(detail::module_contiguous_copy<T>(x), position_offset, nullptr, q, k, v);
-    const C lambda = lambda_full();
-    Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
-    const index_t group = h / cfg_.num_kv_heads;
-    const detail::KeyBand band = detail::band_of(options());
-    for (index_t bi = 0; bi < b; ++bi)
-      for (index_t hi = 0; hi < h; ++hi) {
-        const index_t gi = hi / group;
-        const Matrix<C> a1 = detail::module_softmax_map<C>(q, k, bi, 2 * hi, 2 * gi, band);
-        const Matrix<C> a2 = detail::module_softmax_map<C>(q, k, bi, 2 * hi + 1, 2 * gi + 1, band);
-        detail::module_store_map<C>(a1 - lambda * a2, w, bi, hi);
-      }
-    return w;
-  }
 
   /// The parameter shapes a layer with `config` would have, without building it
   /// (for sizing a large model), keyed by the reference's state_dict names as
@@ -266,8 +193,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   /// order and names of the checkpoint (see WeightLayout).
   void load_safetensors(const std::string& path, const std::string& prefix = "",
                         WeightLayout layout = WeightLayout::native) {
-    std::map<std::string, detail::ModuleSource> src;
-    for (const auto& p : param_list()) src[p.name] = detail::ModuleSource{p.name, true, 1, {}};
+    auto src = this->load_sources();
     if (layout == WeightLayout::diffllama) {
       src["q_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_heads, d_);
       src["k_proj.weight"].row_perm = detail::module_diffllama_qk_perm(2 * cfg_.num_kv_heads, d_);
@@ -275,20 +201,21 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
       src["out_proj.weight"].file_name = "o_proj.weight";
       if (cfg_.norm_affine) src["subln.weight"] = detail::ModuleSource{"", false, 1, {}};
     }
-    detail::module_load<T>("MultiheadDiffAttnV1::load_safetensors", path, prefix, param_list(),
-                           src);
+    this->load_from(path, prefix, src);
   }
 
  private:
   template <class>
   friend class MultiheadDiffAttnV1;
   static constexpr const char* kName = "MultiheadDiffAttnV1";
+  static constexpr int kVersion = 1;  // the kernel: diff_attention_v1
   // Key and value heads per token of the layer's KV cache.
   detail::ModuleCacheHeads cache_heads() const noexcept {
     return {2 * cfg_.num_kv_heads, d_, cfg_.num_kv_heads, 2 * d_};
   }
   using Base::grads_;
   using Base::num_threads_;
+  using Base::options;
 
   // The uninitialised parameters of a layer with `config`.
   MultiheadDiffAttnV1(const DiffAttnV1Config& config, detail::ModuleNoInit)
@@ -310,13 +237,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     std::fill(sinks_.data(), sinks_.data() + sinks_.size(), T(0));
   }
 
-  // Backward once ModuleBase::backward has checked dy against the kept state.
-  Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
+  // dL/d attn from g = dL/dy (B, N, E): through out_proj, the (1 - lambda_init)
+  // scale and the per-head RMSNorm (adding subln.weight's gradient).
+  Tensor<T, 4> output_backward(const Tensor<T, 3>& g) {
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
-    if (rows == 0) return Tensor<T, 3>({b, n, e});                 // no tokens: no gradient to add
-    const Tensor<T, 3> g = detail::module_contiguous_copy<T>(dy);  // (B, N, E)
-
+    const index_t b = g.shape(0), n = g.shape(1), rows = b * n;
     Tensor<T, 4> dnormed({b, n, h, 2 * d_});  // (B, N, H, 2d)
     detail::module_linear_backward(saved_.normed.data(), rows, q_width(), out_proj_.data(), e,
                                    g.data(), grads_.at("out_proj.weight"), dnormed.data(), false,
@@ -326,24 +251,12 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     rms_norm_backward<T>(saved_.attn, subln_weight_, saved_.inv_rms, dnormed, dattn.view(),
                          dsubln.view(), 1.0 - lambda_init_);
     if (cfg_.norm_affine) detail::module_add(grads_.at("subln.weight"), dsubln.data(), 2 * d_);
+    return dattn;
+  }
 
-    Tensor<T, 4> dq(saved_.q.shape()), dk(saved_.k.shape()), dv(saved_.v.shape());
-    T dlambda = 0;
-    Tensor<T, 1> dsinks({cfg_.sinks ? 2 * h : 0});  // (2H) or (0): no sinks
-    const T lambda = static_cast<T>(saved_.lambda.value());
-    if (saved_.packed) {
-      using detail::drop_batch;
-      diff_attention_v1_varlen_backward<T>(
-          drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()), drop_batch(saved_.v.cview()),
-          lambda, drop_batch(saved_.attn.cview()), drop_batch(saved_.lse.cview()),
-          drop_batch(dattn.cview()), drop_batch(dq.view()), drop_batch(dk.view()),
-          drop_batch(dv.view()), dlambda, saved_.seqs, options(), dsinks.view());
-    } else {
-      diff_attention_v1_backward<T>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn, saved_.lse,
-                                    dattn, dq.view(), dk.view(), dv.view(), dlambda, options(),
-                                    dsinks.view());
-    }
-    if (cfg_.sinks) detail::module_add(grads_.at("sinks"), dsinks.data(), 2 * h);
+  // The kernel's gradient of lambda_full, and from it the lambda vectors'.
+  static T lambda_grad(index_t, index_t) { return 0; }
+  void lambda_backward(T dlambda, index_t, T*) {
     // lambda_full = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init.
     const double g1 = static_cast<double>(dlambda) * saved_.lambda.e1;
     const double g2 = -static_cast<double>(dlambda) * saved_.lambda.e2;
@@ -357,90 +270,56 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
       dq2[i] += static_cast<T>(g2 * static_cast<double>(lambda_k2_(i)));
       dk2[i] += static_cast<T>(g2 * static_cast<double>(lambda_q2_(i)));
     }
-    // A rotation is orthogonal: its gradient is the inverse rotation.
-    if (cfg_.rope) {
-      const auto* cu = saved_.packed ? &saved_.seqs.cu_seqlens_q : nullptr;
-      detail::module_rope<T>(dq.view(), saved_.position_offset, cu, cfg_.rope_base, true);
-      detail::module_rope<T>(dk.view(), saved_.position_offset, cu, cfg_.rope_base, true);
-    }
-    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
-    const T* xs = saved_.x.data();
-    detail::module_linear_backward(xs, rows, e, q_proj_.data(), q_width(), dq.data(),
-                                   grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
-    detail::module_linear_backward(xs, rows, e, k_proj_.data(), kv_width(), dk.data(),
-                                   grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
-    detail::module_linear_backward(xs, rows, e, v_proj_.data(), kv_width(), dv.data(),
-                                   grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
-    return dx;
   }
 
-  // What the last forward keeps for the backward pass (a 16-bit layer:
-  // nothing once forward returns). Activations in C, unrounded.
-  struct Saved {
-    Tensor<T, 3> x;        // (B, N, E) the input, contiguous
-    Tensor<C, 4> q, k, v;  // (B, N, 2H, d), (B, N, 2Hkv, d) after rope; (B, N, Hkv, 2d)
-    Tensor<C, 4> attn;     // (B, N, H, 2d) kernel output, before the norm
-    Tensor<C, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+  // What the last forward keeps for the backward pass besides ModuleSaved's
+  // (a 16-bit layer: nothing once forward returns).
+  struct Saved : detail::ModuleSaved<T, C> {
     Tensor<C, 4> normed;   // (B, N, H, 2d) out_proj's input
     Tensor<C, 3> inv_rms;  // (B, N, H)
     LambdaTerms lambda;
-    index_t position_offset = 0;
-    bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
-    PackedSequences seqs;
-    bool valid = false;
   };
 
-  // The forward pass; seqs (a packed batch) or position_offset place the
-  // tokens for the rotary embedding.
-  Tensor<T, 3> run_forward(TensorView<const T, 3> x, index_t position_offset,
-                           const PackedSequences* seqs) {
+  // lambda_full, as the kernel takes it.
+  static C lambda_of(const Saved& s) { return static_cast<C>(s.lambda.value()); }
+
+  // y (B, N, E) from s.attn: the per-head RMSNorm scaled by (1 - lambda_init)
+  // (kept in s for backward), then out_proj.
+  Tensor<T, 3> output(Saved& s) const {
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
-    const index_t b = x.shape(0), n = x.shape(1), rows = b * n;
-    saved_ = Saved{};
-    if (seqs) {
-      saved_.packed = true;
-      saved_.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
-    }
-    saved_.x = detail::module_contiguous_copy<T>(x);  // (B, N, E)
-    project(saved_.x, position_offset, seqs ? &saved_.seqs.cu_seqlens_q : nullptr, saved_.q,
-            saved_.k, saved_.v);
-    saved_.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
-    saved_.attn = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    saved_.lse = Tensor<C, 3>({b, 2 * h, n});       // (B, 2H, N)
-    const C lambda = static_cast<C>(saved_.lambda.value());
-    if (seqs) {
-      using detail::drop_batch;
-      diff_attention_v1_varlen<C>(drop_batch(saved_.q.cview()), drop_batch(saved_.k.cview()),
-                                  drop_batch(saved_.v.cview()), lambda,
-                                  drop_batch(saved_.attn.view()), drop_batch(saved_.lse.view()),
-                                  saved_.seqs, options());
-    } else {
-      diff_attention_v1<C>(saved_.q, saved_.k, saved_.v, lambda, saved_.attn.view(),
-                           saved_.lse.view(), options());
-    }
-    saved_.normed = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    saved_.inv_rms = Tensor<C, 3>({b, n, h});         // (B, N, H)
+    const index_t b = s.attn.shape(0), n = s.attn.shape(1), rows = b * n;
+    s.normed = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
+    s.inv_rms = Tensor<C, 3>({b, n, h});         // (B, N, H)
     Tensor<C, 1> wbuf;
-    rms_norm<C>(saved_.attn, detail::module_compute_view(subln_weight_, wbuf), saved_.normed.view(),
-                cfg_.norm_eps, 1.0 - lambda_init_, saved_.inv_rms.view());
+    rms_norm<C>(s.attn, detail::module_compute_view(subln_weight_, wbuf), s.normed.view(),
+                cfg_.norm_eps, 1.0 - lambda_init_, s.inv_rms.view());
     Tensor<T, 3> y({b, n, e});  // (B, N, E), rounded once for a 16-bit layer
-    detail::module_linear(saved_.normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
+    detail::module_linear(s.normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
                           num_threads_);
-    saved_.position_offset = position_offset;
-    saved_.valid = true;
-    if constexpr (!kTrainable) saved_ = Saved{};  // no backward: keep nothing
     return y;
+  }
+
+  // attention_maps' W (B, H, N, N) from the projections in s.
+  Tensor<C, 4> maps(const Saved& s) const {
+    const index_t h = cfg_.num_heads, b = s.x.shape(0), n = s.x.shape(1);
+    const C lambda = lambda_of(s);
+    Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
+    const index_t group = h / cfg_.num_kv_heads;
+    const detail::KeyBand band = detail::band_of(options());
+    for (index_t bi = 0; bi < b; ++bi)
+      for (index_t hi = 0; hi < h; ++hi) {
+        const index_t gi = hi / group;
+        const Matrix<C> a1 = detail::module_softmax_map<C>(s.q, s.k, bi, 2 * hi, 2 * gi, band);
+        const Matrix<C> a2 =
+            detail::module_softmax_map<C>(s.q, s.k, bi, 2 * hi + 1, 2 * gi + 1, band);
+        detail::module_store_map<C>(a1 - lambda * a2, w, bi, hi);
+      }
+    return w;
   }
 
   static DiffAttnV1Config checked(DiffAttnV1Config c) {
     constexpr const char* fn = "MultiheadDiffAttnV1";
-    if (c.embed_dim < 1) detail::fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
-    if (c.num_heads < 1) detail::fail(fn, "num_heads must be >= 1, got ", c.num_heads);
-    if (c.num_kv_heads < 0)
-      detail::fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
-    if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
-    if (c.head_dim < 0)
-      detail::fail(fn, "head_dim must be >= 0 (0: E / (2 num_heads)), got ", c.head_dim);
+    detail::module_check_heads(fn, c, "E / (2 num_heads)");
     const bool derived = c.head_dim == 0;
     if (derived) {
       if (c.embed_dim % (2 * c.num_heads) != 0)
@@ -458,38 +337,30 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     if (c.rope && c.head_dim % 2 != 0)
       detail::fail(fn, "rope needs an even head width, got ",
                    derived ? "d = E / (2H) = " : "head_dim d = ", c.head_dim);
-    if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
-      detail::fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
-    detail::module_check_window(fn, c.causal, c.window_left, c.window_right);
-    detail::module_check_softcap(fn, c.softcap);
+    detail::module_check_rest(fn, c);
     return c;
   }
 
   index_t kv_width() const noexcept { return 2 * cfg_.num_kv_heads * d_; }  // k_proj rows
   index_t q_width() const noexcept { return 2 * cfg_.num_heads * d_; }      // q_proj rows
 
-  // q (B, N, 2H, d) and k (B, N, 2Hkv, d) after rope, v (B, N, Hkv, 2d), from
-  // the contiguous x (B, N, E): in C, from T weights widened as they are packed.
-  void project(const Tensor<T, 3>& x, index_t position_offset, const std::vector<index_t>* cu,
-               Tensor<C, 4>& q, Tensor<C, 4>& k, Tensor<C, 4>& v) const {
+  // s.q (B, N, 2H, d) and s.k (B, N, 2Hkv, d) after rope, s.v (B, N, Hkv, 2d)
+  // and s.lambda, from the contiguous s.x (B, N, E): in C, from T weights
+  // widened as they are packed.
+  void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
+    const Tensor<T, 3>& x = s.x;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
-    q = Tensor<C, 4>({b, n, 2 * cfg_.num_heads, d_});
-    k = Tensor<C, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
-    v = Tensor<C, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), q_width(), q.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), k.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), v.data(), num_threads_);
+    s.q = Tensor<C, 4>({b, n, 2 * cfg_.num_heads, d_});
+    s.k = Tensor<C, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
+    s.v = Tensor<C, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
+    detail::module_linear(x.data(), rows, e, q_proj_.data(), q_width(), s.q.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), s.k.data(), num_threads_);
+    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), s.v.data(), num_threads_);
     if (cfg_.rope) {
-      detail::module_rope<C>(q.view(), position_offset, cu, cfg_.rope_base, false);
-      detail::module_rope<C>(k.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(s.q.view(), position_offset, cu, cfg_.rope_base, false);
+      detail::module_rope<C>(s.k.view(), position_offset, cu, cfg_.rope_base, false);
     }
-  }
-
-  AttentionOptions options() const {
-    AttentionOptions o =
-        detail::module_options(cfg_.causal, cfg_.window_left, cfg_.window_right, num_threads_);
-    mods_.apply(o, cfg_.sinks ? sinks_.data() : static_cast<const T*>(nullptr), sinks_.size());
-    return o;
+    s.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(cfg_, this); }

@@ -15,6 +15,61 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 
+namespace detail {
+
+/// Throws unless t, the argument `name` of fn, has x's shape.
+template <class V, class X>
+void norm_check_like(const char* fn, const char* name, const V& t, const X& x) {
+  if (t.shape() != x.shape())
+    fail(fn, name, " has shape ", shape_str(t.shape()), ", expected ", shape_str(x.shape()),
+         " like x");
+}
+
+/// Throws unless weight is empty or (D), D the last extent of x.
+template <class W, class X>
+void norm_check_weight(const char* fn, const W& weight, const X& x) {
+  const index_t dim = x.shape(X::rank() - 1);
+  if (!weight.empty() && weight.shape(0) != dim)
+    fail(fn, "weight has shape ", shape_str(weight.shape()), ", expected (", dim,
+         ") (the last extent of x ", shape_str(x.shape()), ") or empty");
+}
+
+/// The rows of x, its shape without the last dimension; throws when check is
+/// set and inv_rms does not have that shape.
+template <class X, class I>
+std::array<index_t, X::rank() - 1> norm_rows(const char* fn, const X& x, const I& inv_rms,
+                                             bool check) {
+  std::array<index_t, X::rank() - 1> row_shape{};
+  for (std::size_t r = 0; r + 1 < X::rank(); ++r) row_shape[r] = x.shape(r);
+  if (check && inv_rms.shape() != row_shape)
+    fail(fn, "inv_rms has shape ", shape_str(inv_rms.shape()), ", expected ", shape_str(row_shape),
+         " (x ", shape_str(x.shape()), " without its last dimension)");
+  return row_shape;
+}
+
+/// Calls f(off) for every row of row_shape in row-major order, off[i] the
+/// offset of that row in views[i] (from their leading strides).
+template <std::size_t R1, class F, class... V>
+void norm_for_each_row(const std::array<index_t, R1>& row_shape, F&& f, const V&... views) {
+  index_t rows = 1;
+  for (index_t e : row_shape) rows *= e;
+  std::array<index_t, R1> idx{};
+  for (index_t r = 0; r < rows; ++r) {
+    // Row r in row-major order of row_shape.
+    index_t rem = r;
+    std::array<index_t, sizeof...(V)> off{};
+    for (std::size_t a = R1; a-- > 0;) {
+      idx[a] = rem % row_shape[a];
+      rem /= row_shape[a];
+      std::size_t i = 0;
+      ((off[i++] += idx[a] * views.stride(a)), ...);
+    }
+    f(off);
+  }
+}
+
+}  // namespace detail
+
 /// \addtogroup layers
 /// @{
 
@@ -38,38 +93,17 @@ void rms_norm(detail::nondeduced_view<const T, R> x, detail::nondeduced_view<con
   constexpr const char* fn = "rms_norm";
   static_assert(R >= 2, "rms_norm: x needs rank >= 2 (rows, features)");
   const index_t dim = x.shape(R - 1);
-  if (out.shape() != x.shape())
-    detail::fail(fn, "out has shape ", detail::shape_str(out.shape()), ", expected ",
-                 detail::shape_str(x.shape()), " like x");
-  if (!weight.empty() && weight.shape(0) != dim)
-    detail::fail(fn, "weight has shape ", detail::shape_str(weight.shape()), ", expected (", dim,
-                 ") (the last extent of x ", detail::shape_str(x.shape()), ") or empty");
+  detail::norm_check_like(fn, "out", out, x);
+  detail::norm_check_weight(fn, weight, x);
   if (!std::isfinite(eps) || eps < 0) detail::fail(fn, "eps must be finite and >= 0, got ", eps);
   if (!std::isfinite(scale)) detail::fail(fn, "scale must be finite, got ", scale);
-  std::array<index_t, R - 1> row_shape{};
-  for (std::size_t r = 0; r + 1 < R; ++r) row_shape[r] = x.shape(r);
   const bool want_inv = inv_rms.data() != nullptr || !inv_rms.empty();
-  if (want_inv && inv_rms.shape() != row_shape)
-    detail::fail(fn, "inv_rms has shape ", detail::shape_str(inv_rms.shape()), ", expected ",
-                 detail::shape_str(row_shape), " (x ", detail::shape_str(x.shape()),
-                 " without its last dimension)");
+  const auto row_shape = detail::norm_rows(fn, x, inv_rms, want_inv);
 
-  index_t rows = 1;
-  for (index_t e : row_shape) rows *= e;
   const index_t xs = x.stride(R - 1), os = out.stride(R - 1);
-  std::array<index_t, R - 1> idx{};
-  for (index_t r = 0; r < rows; ++r) {
-    // Row r in row-major order of row_shape.
-    index_t rem = r, xoff = 0, ooff = 0, ioff = 0;
-    for (std::size_t a = R - 1; a-- > 0;) {
-      idx[a] = rem % row_shape[a];
-      rem /= row_shape[a];
-      xoff += idx[a] * x.stride(a);
-      ooff += idx[a] * out.stride(a);
-      if (want_inv) ioff += idx[a] * inv_rms.stride(a);
-    }
-    const T* xr = x.data() + xoff;
-    T* orow = out.data() + ooff;
+  auto row = [&](const std::array<index_t, 3>& off) {
+    const T* xr = x.data() + off[0];
+    T* orow = out.data() + off[1];
     double ss = 0;
     for (index_t j = 0; j < dim; ++j) {
       const double v = static_cast<double>(xr[j * xs]);
@@ -82,8 +116,9 @@ void rms_norm(detail::nondeduced_view<const T, R> x, detail::nondeduced_view<con
     } else {
       for (index_t j = 0; j < dim; ++j) orow[j * os] = xr[j * xs] * f * weight(j);
     }
-    if (want_inv) inv_rms.data()[ioff] = static_cast<T>(inv);
-  }
+    if (want_inv) inv_rms.data()[off[2]] = static_cast<T>(inv);
+  };
+  detail::norm_for_each_row(row_shape, row, x, out, inv_rms);
 }
 
 /// Backward of rms_norm, from the inv_rms that the forward kept:
@@ -112,48 +147,25 @@ void rms_norm_backward(detail::nondeduced_view<const T, R> x,
   constexpr const char* fn = "rms_norm_backward";
   static_assert(R >= 2, "rms_norm_backward: x needs rank >= 2 (rows, features)");
   const index_t dim = x.shape(R - 1);
-  if (dout.shape() != x.shape())
-    detail::fail(fn, "dout has shape ", detail::shape_str(dout.shape()), ", expected ",
-                 detail::shape_str(x.shape()), " like x");
-  if (dx.shape() != x.shape())
-    detail::fail(fn, "dx has shape ", detail::shape_str(dx.shape()), ", expected ",
-                 detail::shape_str(x.shape()), " like x");
-  if (!weight.empty() && weight.shape(0) != dim)
-    detail::fail(fn, "weight has shape ", detail::shape_str(weight.shape()), ", expected (", dim,
-                 ") (the last extent of x ", detail::shape_str(x.shape()), ") or empty");
+  detail::norm_check_like(fn, "dout", dout, x);
+  detail::norm_check_like(fn, "dx", dx, x);
+  detail::norm_check_weight(fn, weight, x);
   if (!dweight.empty() && (weight.empty() || dweight.shape(0) != dim))
     detail::fail(fn, "dweight has shape ", detail::shape_str(dweight.shape()), ", expected ",
                  weight.empty() ? std::string("empty (weight is empty)")
                                 : detail::cat("(", dim, ") like weight or empty"));
   if (!std::isfinite(scale)) detail::fail(fn, "scale must be finite, got ", scale);
-  std::array<index_t, R - 1> row_shape{};
-  for (std::size_t r = 0; r + 1 < R; ++r) row_shape[r] = x.shape(r);
-  if (inv_rms.shape() != row_shape)
-    detail::fail(fn, "inv_rms has shape ", detail::shape_str(inv_rms.shape()), ", expected ",
-                 detail::shape_str(row_shape), " (x ", detail::shape_str(x.shape()),
-                 " without its last dimension)");
+  const auto row_shape = detail::norm_rows(fn, x, inv_rms, true);
 
-  index_t rows = 1;
-  for (index_t e : row_shape) rows *= e;
   const bool want_dw = !dweight.empty();
   std::vector<double> dw(want_dw ? static_cast<std::size_t>(dim) : 0, 0.0);
   std::vector<double> g(static_cast<std::size_t>(dim));
   const index_t xs = x.stride(R - 1), gs = dout.stride(R - 1), ds = dx.stride(R - 1);
-  std::array<index_t, R - 1> idx{};
-  for (index_t r = 0; r < rows; ++r) {
-    index_t rem = r, xoff = 0, goff = 0, doff = 0, ioff = 0;
-    for (std::size_t a = R - 1; a-- > 0;) {
-      idx[a] = rem % row_shape[a];
-      rem /= row_shape[a];
-      xoff += idx[a] * x.stride(a);
-      goff += idx[a] * dout.stride(a);
-      doff += idx[a] * dx.stride(a);
-      ioff += idx[a] * inv_rms.stride(a);
-    }
-    const T* xr = x.data() + xoff;
-    const T* gr = dout.data() + goff;
-    T* dr = dx.data() + doff;
-    const double inv = static_cast<double>(inv_rms.data()[ioff]);
+  auto row = [&](const std::array<index_t, 4>& off) {
+    const T* xr = x.data() + off[0];
+    const T* gr = dout.data() + off[1];
+    T* dr = dx.data() + off[2];
+    const double inv = static_cast<double>(inv_rms.data()[off[3]]);
     double dot = 0;  // sum_j g_j xhat_j
     for (index_t j = 0; j < dim; ++j) {
       const double go = static_cast<double>(gr[j * gs]);
@@ -168,7 +180,8 @@ void rms_norm_backward(detail::nondeduced_view<const T, R> x,
       const double xhat = static_cast<double>(xr[j * xs]) * inv;
       dr[j * ds] = static_cast<T>(inv * (g[j] - xhat * mean));
     }
-  }
+  };
+  detail::norm_for_each_row(row_shape, row, x, dout, dx, inv_rms);
   for (index_t j = 0; want_dw && j < dim; ++j) dweight(j) = static_cast<T>(dw[j]);
 }
 

@@ -241,6 +241,49 @@ void check_outputs(const char* fn, const AttentionProblem<T, KV>& p, const char*
     fail(fn, "lse ", shape_str(p.lse.shape()), " overlaps ", lambda_name, " in memory");
 }
 
+/// The prologue of every validate_*: a problem of `kind` over the views, with
+/// the checks all kernels share done (validate_common).
+template <class T, class KV>
+AttentionProblem<T, KV> attach_problem(const char* fn, AttnKind kind, TensorView<const T, 4> q,
+                                       TensorView<const KV, 4> k, TensorView<const KV, 4> v,
+                                       TensorView<T, 4> out, TensorView<compute_t<T>, 3> lse,
+                                       const AttentionOptions& options) {
+  AttentionProblem<T, KV> p;
+  p.kind = kind;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.lse = lse;
+  validate_common(fn, p, options);
+  return p;
+}
+
+/// H, the DIFF heads of a differential problem's 2H query heads.
+template <class T, class KV>
+index_t diff_heads(const char* fn, const AttentionProblem<T, KV>& p) {
+  const index_t qh = p.q.shape(2);
+  if (qh < 2 || qh % 2 != 0)
+    fail(fn, "q has ", qh, " heads, expected 2*H >= 2 (heads 2h and 2h+1 form DIFF head h): q ",
+         shape_str(p.q.shape()));
+  return qh / 2;
+}
+
+/// v with one head per k head (V2, plain attention): checks it and sets the
+/// output heads, the GQA group and the value width.
+template <class T, class KV>
+void attach_values(const char* fn, AttentionProblem<T, KV>& p, index_t heads) {
+  const index_t Hkv = p.k.shape(2);
+  const auto& v = p.v;
+  if (v.shape(2) != Hkv)
+    fail(fn, "v has shape ", shape_str(v.shape()), ", expected ", Hkv, " heads like k ",
+         shape_str(p.k.shape()));
+  if (v.shape(3) < 1) fail(fn, "v has shape ", shape_str(v.shape()), ": value width must be >= 1");
+  p.heads = heads;
+  p.group = heads / Hkv;
+  p.value_dim = v.shape(3);
+}
+
 template <class T, class KV>
 void check_lse(const char* fn, const AttentionProblem<T, KV>& p, index_t query_heads) {
   if (!p.has_lse()) return;
@@ -254,19 +297,8 @@ AttentionProblem<T, KV> validate_v1(TensorView<const T, 4> q, nondeduced_view<co
                                     TensorView<T, 4> out, TensorView<compute_t<T>, 3> lse,
                                     const AttentionOptions& options,
                                     const char* fn = "diff_attention_v1") {
-  AttentionProblem<T, KV> p;
-  p.kind = AttnKind::v1;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = out;
-  p.lse = lse;
-  validate_common(fn, p, options);
-  const index_t qh = q.shape(2), kh = k.shape(2);
-  if (qh < 2 || qh % 2 != 0)
-    fail(fn, "q has ", qh, " heads, expected 2*H >= 2 (heads 2h and 2h+1 form DIFF head h): q ",
-         shape_str(q.shape()));
-  const index_t H = qh / 2;
+  AttentionProblem<T, KV> p = attach_problem<T, KV>(fn, AttnKind::v1, q, k, v, out, lse, options);
+  const index_t kh = k.shape(2), qh = q.shape(2), H = diff_heads(fn, p);
   if (kh < 2 || kh % 2 != 0 || H % (kh / 2) != 0)
     fail(fn, "k has ", kh, " heads, expected 2*Hkv with H % Hkv == 0 (q ", shape_str(q.shape()),
          " has 2H = ", qh, " heads; k ", shape_str(k.shape()), ")");
@@ -299,20 +331,9 @@ AttentionProblem<T, KV> validate_v2(TensorView<const T, 4> q, nondeduced_view<co
                                     TensorView<compute_t<T>, 3> lse,
                                     const AttentionOptions& options,
                                     const char* fn = "diff_attention_v2") {
-  AttentionProblem<T, KV> p;
-  p.kind = AttnKind::v2;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = out;
-  p.lse = lse;
+  AttentionProblem<T, KV> p = attach_problem<T, KV>(fn, AttnKind::v2, q, k, v, out, lse, options);
   p.lambda_logit = lambda_logit;
-  validate_common(fn, p, options);
-  const index_t qh = q.shape(2), Hkv = k.shape(2);
-  if (qh < 2 || qh % 2 != 0)
-    fail(fn, "q has ", qh, " heads, expected 2*H >= 2 (heads 2h and 2h+1 form DIFF head h): q ",
-         shape_str(q.shape()));
-  const index_t H = qh / 2;
+  const index_t qh = q.shape(2), Hkv = k.shape(2), H = diff_heads(fn, p);
   if (Hkv < 1 || qh % Hkv != 0)
     fail(fn, "k has ", Hkv, " heads, expected Hkv dividing the 2H = ", qh, " query heads (q ",
          shape_str(q.shape()), ", k ", shape_str(k.shape()), ")");
@@ -320,13 +341,7 @@ AttentionProblem<T, KV> validate_v2(TensorView<const T, 4> q, nondeduced_view<co
     fail(fn, "a DIFF pair would straddle two GQA groups: 2H / Hkv = ", qh, " / ", Hkv, " = ",
          qh / Hkv, " query heads per kv head must be even (q ", shape_str(q.shape()), ", k ",
          shape_str(k.shape()), ")");
-  if (v.shape(2) != Hkv)
-    fail(fn, "v has shape ", shape_str(v.shape()), ", expected ", Hkv, " heads like k ",
-         shape_str(k.shape()));
-  if (v.shape(3) < 1) fail(fn, "v has shape ", shape_str(v.shape()), ": value width must be >= 1");
-  p.heads = H;
-  p.group = H / Hkv;
-  p.value_dim = v.shape(3);
+  attach_values(fn, p, H);
   check_shape(fn, "out", out, {p.batch, p.seqlen_q, H, p.value_dim}, "(B, N, H, d)");
   check_shape(fn, "lambda_logit", lambda_logit, {p.batch, p.seqlen_q, H}, "(B, N, H)");
   check_lse(fn, p, 2 * H);
@@ -340,26 +355,14 @@ AttentionProblem<T, KV> validate_plain(TensorView<const T, 4> q, nondeduced_view
                                        TensorView<compute_t<T>, 3> lse,
                                        const AttentionOptions& options,
                                        const char* fn = "attention") {
-  AttentionProblem<T, KV> p;
-  p.kind = AttnKind::plain;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = out;
-  p.lse = lse;
-  validate_common(fn, p, options);
+  AttentionProblem<T, KV> p =
+      attach_problem<T, KV>(fn, AttnKind::plain, q, k, v, out, lse, options);
   const index_t Hq = q.shape(2), Hkv = k.shape(2);
   if (Hq < 1) fail(fn, "q has shape ", shape_str(q.shape()), ": at least one head is needed");
   if (Hkv < 1 || Hq % Hkv != 0)
     fail(fn, "k has ", Hkv, " heads, expected Hkv with Hq % Hkv == 0 (q ", shape_str(q.shape()),
          ", k ", shape_str(k.shape()), ")");
-  if (v.shape(2) != Hkv)
-    fail(fn, "v has shape ", shape_str(v.shape()), ", expected ", Hkv, " heads like k ",
-         shape_str(k.shape()));
-  if (v.shape(3) < 1) fail(fn, "v has shape ", shape_str(v.shape()), ": value width must be >= 1");
-  p.heads = Hq;
-  p.group = Hq / Hkv;
-  p.value_dim = v.shape(3);
+  attach_values(fn, p, Hq);
   check_shape(fn, "out", out, {p.batch, p.seqlen_q, Hq, p.value_dim}, "(B, N, Hq, dv)");
   check_lse(fn, p, Hq);
   check_outputs(fn, p, "lambda");

@@ -71,6 +71,29 @@ class SafetensorsJsonParser {
     ++p_;
   }
 
+  // The elements of an object or array, from its opening bracket to `close`:
+  // item() reads one (white space skipped around it), commas between them.
+  template <class Item>
+  void elements(char close, Item&& item) {
+    ++p_;
+    skip_ws();
+    if (p_ != end_ && *p_ == close) {
+      ++p_;
+      return;
+    }
+    for (;;) {
+      skip_ws();
+      item();
+      skip_ws();
+      if (p_ != end_ && *p_ == ',') {
+        ++p_;
+        continue;
+      }
+      expect(close);
+      return;
+    }
+  }
+
   SafetensorsJson value(int depth) {
     if (depth > kMaxDepth) error("nesting too deep");
     if (p_ == end_) error("unexpected end");
@@ -78,15 +101,8 @@ class SafetensorsJsonParser {
     const char c = *p_;
     if (c == '{') {
       v.kind = SafetensorsJson::Kind::object;
-      ++p_;
-      skip_ws();
-      if (p_ != end_ && *p_ == '}') {
-        ++p_;
-        return v;
-      }
       std::set<std::string> seen;
-      for (;;) {
-        skip_ws();
+      elements('}', [&] {
         std::string key = string_body();
         if (!seen.insert(key).second) error("repeated key");
         skip_ws();
@@ -94,34 +110,13 @@ class SafetensorsJsonParser {
         skip_ws();
         v.values.push_back(value(depth + 1));
         v.keys.push_back(std::move(key));
-        skip_ws();
-        if (p_ != end_ && *p_ == ',') {
-          ++p_;
-          continue;
-        }
-        expect('}');
-        return v;
-      }
+      });
+      return v;
     }
     if (c == '[') {
       v.kind = SafetensorsJson::Kind::array;
-      ++p_;
-      skip_ws();
-      if (p_ != end_ && *p_ == ']') {
-        ++p_;
-        return v;
-      }
-      for (;;) {
-        skip_ws();
-        v.array.push_back(value(depth + 1));
-        skip_ws();
-        if (p_ != end_ && *p_ == ',') {
-          ++p_;
-          continue;
-        }
-        expect(']');
-        return v;
-      }
+      elements(']', [&] { v.array.push_back(value(depth + 1)); });
+      return v;
     }
     if (c == '"') {
       v.kind = SafetensorsJson::Kind::string;

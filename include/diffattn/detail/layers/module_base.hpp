@@ -1,19 +1,25 @@
-// ModuleBase: what the layer classes share word for word (threads, the
-// whole-sequence and packed forward entry points, the checks of a cached
-// forward and of backward, the gradient buffers, make_cache, the parameter
+// ModuleBase: what the layer classes share (threads, the forward driver for
+// the whole-sequence, packed and cached forward passes, the backward driver,
+// attention_maps' prologue, the gradient buffers, make_cache, the parameter
 // maps and saving), written once over a Derived layer (CRTP, as Eigen's
 // MatrixBase). The layers' own headers keep what differs: configuration,
-// projections, the kernel they call, loading and the cached forward's body.
+// projections, lambda, what follows the kernel (V1's norm), loading and the
+// maps' loop.
 #pragma once
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "../../attention.hpp"
+#include "../../attention_backward.hpp"
 #include "../../config.hpp"
 #include "../../float8.hpp"
 #include "../../kv_cache.hpp"
+#include "../../kvcache_attention.hpp"
+#include "../../options.hpp"
 #include "../../packed.hpp"
 #include "../../tensor.hpp"
 #include "../../types.hpp"
@@ -28,16 +34,94 @@ struct ModuleCacheHeads {
   index_t key_heads, key_dim, value_heads, value_dim;
 };
 
+/// What both layers' forward keeps for backward; a layer's Saved adds its
+/// own (V1: lambda and the norm's, V2: the lambda logits). Activations in C,
+/// unrounded.
+template <class T, class C>
+struct ModuleSaved {
+  Tensor<T, 3> x;        // (B, N, E) the input, contiguous
+  Tensor<C, 4> q, k, v;  // (B, N, 2H, dq), (B, N, Hk, dq) after rope; (B, N, Hkv, dv)
+  Tensor<C, 4> attn;     // (B, N, H, dv) kernel output
+  Tensor<C, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+  index_t position_offset = 0;
+  bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
+  PackedSequences seqs;
+  bool valid = false;
+};
+
+/// The first checks of a layer's configuration c (fn names the layer):
+/// widths and head counts, num_kv_heads 0 resolved to num_heads;
+/// head_dim_zero says what head_dim 0 means.
+template <class Config>
+void module_check_heads(const char* fn, Config& c, const char* head_dim_zero) {
+  if (c.embed_dim < 1) fail(fn, "embed_dim must be >= 1, got ", c.embed_dim);
+  if (c.num_heads < 1) fail(fn, "num_heads must be >= 1, got ", c.num_heads);
+  if (c.num_kv_heads < 0)
+    fail(fn, "num_kv_heads must be >= 0 (0: num_heads), got ", c.num_kv_heads);
+  if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+  if (c.head_dim < 0) fail(fn, "head_dim must be >= 0 (0: ", head_dim_zero, "), got ", c.head_dim);
+}
+
+/// The last checks of a layer's configuration: rotary base, window, softcap.
+template <class Config>
+void module_check_rest(const char* fn, const Config& c) {
+  if (!std::isfinite(c.rope_base) || c.rope_base <= 0)
+    fail(fn, "rope_base must be finite and > 0, got ", c.rope_base);
+  module_check_window(fn, c.causal, c.window_left, c.window_right);
+  module_check_softcap(fn, c.softcap);
+}
+
+/// The forms of a layer's kernel the shared driver runs.
+enum class ModuleKernel { dense, varlen, kvcache, backward, varlen_backward };
+
+/// A layer's lambda argument as the kernel takes it: V1's lambda_full (a
+/// scalar, or its gradient, a scalar reference) as it is, V2's lambda logits
+/// (B, N, H) as a view: whole, without the batch (a packed batch) or rows
+/// [a, a + np) (a cached forward's piece).
+template <class L>
+decltype(auto) module_lambda(L& l) {
+  if constexpr (std::is_arithmetic<L>::value) {
+    return (l);
+  } else {
+    return l.view();
+  }
+}
+/// See module_lambda.
+template <class L>
+decltype(auto) module_lambda_packed(L& l) {
+  if constexpr (std::is_arithmetic<L>::value) {
+    return (l);
+  } else {
+    return drop_batch(l.view());
+  }
+}
+/// See module_lambda.
+template <class L>
+decltype(auto) module_lambda_rows(L& l, index_t a, index_t np) {
+  if constexpr (std::is_arithmetic<L>::value) {
+    return (l);
+  } else {
+    return module_rows(l, a, np);
+  }
+}
+
 /// The members MultiheadDiffAttnV1 and MultiheadDiffAttnV2 share. Derived
 /// provides, as friends of this class may call them:
 ///   static constexpr const char* kName;                 // "MultiheadDiffAttnV1"
-///   const config_type& config() const;                  // embed_dim, causal, window_left
+///   static constexpr int kVersion;                      // 1 or 2: the kernel
+///   const config_type& config() const;                  // embed_dim, num_heads, causal, window,
+///                                                       // sinks
 ///   ModuleCacheHeads cache_heads() const;               // what its KV cache holds
 ///   static shapes parameter_shapes(const config_type&); // name -> PyTorch shape
 ///   std::vector<ModuleParam<T>> param_list();           // and a const overload
-///   Tensor<T, 3> run_forward(x, position_offset, const PackedSequences*);
-///   Tensor<T, 3> run_backward(dy);                      // dy checked
-///   saved_, what forward keeps: .valid, .x (the input)
+///   struct Saved : ModuleSaved<T, C>;                   // what forward keeps
+///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.x
+///   lambda_of(const Saved&);                            // the kernel's lambda argument
+///   Tensor<T, 3> output(Saved& s) const;                // y from s.attn
+///   Tensor<T, 4> output_backward(g);                    // dL/d attn from dL/dy
+///   lambda_grad(b, n); lambda_backward(dlambda, rows, dx);  // lambda's gradient
+///   Tensor<C, 4> maps(const Saved&) const;              // attention_maps' loop
+///   saved_; mods_, sinks_ (the score modifiers); q_proj_, k_proj_, v_proj_
 template <class Derived, class T>
 class ModuleBase {
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value ||
@@ -75,7 +159,8 @@ class ModuleBase {
   /// diffattn::error when x's last extent is not E or the offset is negative.
   Tensor<T, 3> forward(TensorView<const T, 3> x, index_t position_offset = 0) {
     check_input("forward", x);
-    if (position_offset < 0) fail_in("forward", "position_offset must be >= 0, got ", position_offset);
+    if (position_offset < 0)
+      fail_in("forward", "position_offset must be >= 0, got ", position_offset);
     return derived().run_forward(x, position_offset, nullptr);
   }
 
@@ -89,6 +174,64 @@ class ModuleBase {
     check_input("forward", x);
     module_check_packed(qualified("forward").c_str(), x, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
     return derived().run_forward(x, 0, &seqs);
+  }
+
+  /// Runs the layer on n >= 1 new tokens per sequence, x (B, n, E), after the
+  /// cache.size() tokens the cache holds: rotates the new queries and keys at
+  /// positions cache.size() .. cache.size() + n - 1, appends the new keys and
+  /// values, attends causally (and within the window) over everything cached,
+  /// and returns y (B, n, E). Prefill then token-by-token decoding gives what
+  /// forward gives on the whole sequence; V2 computes lambda per new token.
+  /// Keeps nothing for backward (a later backward throws until the next
+  /// forward). Throws, changing nothing, when the cache is full, was made for
+  /// another layer or another batch size. A 16-bit cache
+  /// (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is read by the
+  /// kernel in compute_type, the new keys and values rounded to S when
+  /// appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
+  /// gets them quantized per row with their scales, and a non-finite key or
+  /// value throws, changing nothing.
+  template <class S>
+  Tensor<T, 3> forward(TensorView<const T, 3> x, KVCache<S>& cache) {
+    check_cache(x, cache);
+    derived().saved_ = typename Derived::Saved{};
+    typename Derived::Saved s;  // this call's activations, dropped on return
+    s.x = module_contiguous_copy<T>(x);
+    derived().project(s, cache.size(), nullptr);
+    const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
+    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
+    const auto& lambda = derived().lambda_of(s);
+    const AttentionOptions o = options();
+    module_cache_append(cache, s.k, s.v, [&](index_t a, index_t np, auto keys, auto values) {
+      const auto q = module_rows(s.q, a, np);
+      const auto out = module_rows(s.attn, a, np);
+      if constexpr (std::is_same<S, compute_type>::value) {
+        kernel<ModuleKernel::dense>(q, keys, values, module_lambda_rows(lambda, a, np), out, o);
+      } else {  // every sequence holds all of keys: the cache kernel reads S rows
+        const FullCache full(b, cache, np);
+        kernel<ModuleKernel::kvcache, S>(q, keys, values, module_lambda_rows(lambda, a, np), out,
+                                         TensorView<compute_type, 3>(), full.batch, o);
+      }
+    });
+    return derived().output(s);
+  }
+
+  /// The differential attention maps of x (B, N, E), materialised for
+  /// analysis: W (B, H, N, N), row i of W[b, h] the weights token i puts on
+  /// tokens 0 .. N - 1 through DIFF head h (the layer's class comment gives
+  /// the formula; masked entries 0). O(B H N^2) memory; the state kept for
+  /// backward is untouched. Same arguments and errors as forward, and throws
+  /// with softcap, alibi or sinks. In compute_type (float for a 16-bit layer).
+  Tensor<compute_type, 4> attention_maps(TensorView<const T, 3> x,
+                                         index_t position_offset = 0) const {
+    check_input("attention_maps", x);
+    if (position_offset < 0)
+      fail_in("attention_maps", "position_offset must be >= 0, got ", position_offset);
+    if (derived().mods_.any(derived().config().sinks))
+      fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
+    typename Derived::Saved s;
+    s.x = module_contiguous_copy<T>(x);
+    derived().project(s, position_offset, nullptr);
+    return derived().maps(s);
   }
 
   /// Backward of the last forward: takes dy = dL/dy (B, N, E) (any strides)
@@ -111,7 +254,7 @@ class ModuleBase {
       if (dy.shape() != saved.x.shape())
         fail_in("backward", "dy has shape ", shape_str(dy.shape()), ", expected ",
                 shape_str(saved.x.shape()), " (the output of the last forward)");
-      return derived().run_backward(dy);
+      return run_backward(dy);
     } else {
       return {};
     }
@@ -187,8 +330,7 @@ class ModuleBase {
   }
 
  protected:
-  explicit ModuleBase(const std::map<std::string, std::vector<index_t>>& shapes)
-      : grads_(shapes) {}
+  explicit ModuleBase(const std::map<std::string, std::vector<index_t>>& shapes) : grads_(shapes) {}
 
   Derived& derived() { return static_cast<Derived&>(*this); }
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
@@ -199,6 +341,129 @@ class ModuleBase {
   template <class... Args>
   [[noreturn]] static void fail_in(const char* method, const Args&... args) {
     fail(qualified(method).c_str(), args...);
+  }
+
+  /// The kernel options of the layer: mask, window, threads, score modifiers.
+  AttentionOptions options() const {
+    const auto& c = derived().config();
+    AttentionOptions o = module_options(c.causal, c.window_left, c.window_right, num_threads_);
+    const auto& sinks = derived().sinks_;
+    derived().mods_.apply(o, c.sinks ? sinks.data() : static_cast<const T*>(nullptr), sinks.size());
+    return o;
+  }
+
+  /// Derived's kernel (diff_attention_v1 or _v2) in form F on the arguments a;
+  /// S is a KV cache's storage.
+  template <ModuleKernel F, class S = compute_type, class... A>
+  static void kernel(A&&... a) {
+    using C = compute_type;
+    constexpr bool v1 = Derived::kVersion == 1;
+    if constexpr (F == ModuleKernel::dense) {
+      if constexpr (v1) diff_attention_v1<C>(std::forward<A>(a)...);
+      if constexpr (!v1) diff_attention_v2<C>(std::forward<A>(a)...);
+    } else if constexpr (F == ModuleKernel::varlen) {
+      if constexpr (v1) diff_attention_v1_varlen<C>(std::forward<A>(a)...);
+      if constexpr (!v1) diff_attention_v2_varlen<C>(std::forward<A>(a)...);
+    } else if constexpr (F == ModuleKernel::kvcache) {
+      if constexpr (v1) diff_attention_v1_kvcache<C, S>(std::forward<A>(a)...);
+      if constexpr (!v1) diff_attention_v2_kvcache<C, S>(std::forward<A>(a)...);
+    } else if constexpr (F == ModuleKernel::backward) {
+      if constexpr (v1) diff_attention_v1_backward<T>(std::forward<A>(a)...);
+      if constexpr (!v1) diff_attention_v2_backward<T>(std::forward<A>(a)...);
+    } else {
+      if constexpr (v1) diff_attention_v1_varlen_backward<T>(std::forward<A>(a)...);
+      if constexpr (!v1) diff_attention_v2_varlen_backward<T>(std::forward<A>(a)...);
+    }
+  }
+
+  /// The forward pass; seqs (a packed batch) or position_offset place the
+  /// tokens for the rotary embedding. Keeps what backward needs in saved_.
+  Tensor<T, 3> run_forward(TensorView<const T, 3> x, index_t position_offset,
+                           const PackedSequences* seqs) {
+    auto& s = derived().saved_;
+    s = typename Derived::Saved{};
+    if (seqs) {
+      s.packed = true;
+      s.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
+    }
+    s.x = module_contiguous_copy<T>(x);  // (B, N, E)
+    derived().project(s, position_offset, seqs ? &s.seqs.cu_seqlens_q : nullptr);
+    const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
+    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, N, H, dv)
+    s.lse = Tensor<compute_type, 3>({b, 2 * h, n});             // (B, 2H, N)
+    const auto& lambda = derived().lambda_of(s);
+    if (seqs) {
+      kernel<ModuleKernel::varlen>(drop_batch(s.q.cview()), drop_batch(s.k.cview()),
+                                   drop_batch(s.v.cview()), module_lambda_packed(lambda),
+                                   drop_batch(s.attn.view()), drop_batch(s.lse.view()), s.seqs,
+                                   options());
+    } else {
+      kernel<ModuleKernel::dense>(s.q, s.k, s.v, module_lambda(lambda), s.attn.view(), s.lse.view(),
+                                  options());
+    }
+    Tensor<T, 3> y = derived().output(s);  // (B, N, E), rounded once for a 16-bit layer
+    s.position_offset = position_offset;
+    s.valid = true;
+    if constexpr (!kTrainable) s = typename Derived::Saved{};  // no backward: keep nothing
+    return y;
+  }
+
+  /// Backward once backward() has checked dy against the kept state.
+  Tensor<T, 3> run_backward(TensorView<const T, 3> dy) {
+    const auto& s = derived().saved_;
+    const auto& c = derived().config();
+    const index_t e = c.embed_dim, h = c.num_heads;
+    const index_t b = dy.shape(0), n = dy.shape(1), rows = b * n;
+    if (rows == 0) return Tensor<T, 3>({b, n, e});            // no tokens: no gradient to add
+    const Tensor<T, 3> g = module_contiguous_copy<T>(dy);     // (B, N, E)
+    const Tensor<T, 4> dattn = derived().output_backward(g);  // (B, N, H, dv)
+    Tensor<T, 4> dq(s.q.shape()), dk(s.k.shape()), dv(s.v.shape());
+    auto dlambda = derived().lambda_grad(b, n);
+    Tensor<T, 1> dsinks({c.sinks ? 2 * h : 0});  // (2H) or (0): no sinks
+    const auto& lambda = derived().lambda_of(s);
+    if (s.packed) {
+      kernel<ModuleKernel::varlen_backward>(
+          drop_batch(s.q.cview()), drop_batch(s.k.cview()), drop_batch(s.v.cview()),
+          module_lambda_packed(lambda), drop_batch(s.attn.cview()), drop_batch(s.lse.cview()),
+          drop_batch(dattn.cview()), drop_batch(dq.view()), drop_batch(dk.view()),
+          drop_batch(dv.view()), module_lambda_packed(dlambda), s.seqs, options(), dsinks.view());
+    } else {
+      kernel<ModuleKernel::backward>(s.q, s.k, s.v, module_lambda(lambda), s.attn, s.lse, dattn,
+                                     dq.view(), dk.view(), dv.view(), module_lambda(dlambda),
+                                     options(), dsinks.view());
+    }
+    if (c.sinks) module_add(grads_.at("sinks"), dsinks.data(), 2 * h);
+    // A rotation is orthogonal: its gradient is the inverse rotation.
+    if (c.rope) {
+      const auto* cu = s.packed ? &s.seqs.cu_seqlens_q : nullptr;
+      module_rope<T>(dq.view(), s.position_offset, cu, c.rope_base, true);
+      module_rope<T>(dk.view(), s.position_offset, cu, c.rope_base, true);
+    }
+    Tensor<T, 3> dx({b, n, e});  // (B, N, E)
+    const T* xs = s.x.data();
+    const Derived& l = derived();
+    module_linear_backward(xs, rows, e, l.q_proj_.data(), dq.shape(2) * dq.shape(3), dq.data(),
+                           grads_.at("q_proj.weight"), dx.data(), false, num_threads_);
+    module_linear_backward(xs, rows, e, l.k_proj_.data(), dk.shape(2) * dk.shape(3), dk.data(),
+                           grads_.at("k_proj.weight"), dx.data(), true, num_threads_);
+    module_linear_backward(xs, rows, e, l.v_proj_.data(), dv.shape(2) * dv.shape(3), dv.data(),
+                           grads_.at("v_proj.weight"), dx.data(), true, num_threads_);
+    derived().lambda_backward(dlambda, rows, dx.data());
+    return dx;
+  }
+
+  /// Where load_safetensors reads each parameter by default: prefix + its own
+  /// name, as stored.
+  std::map<std::string, ModuleSource> load_sources() const {
+    std::map<std::string, ModuleSource> src;
+    for (const auto& p : derived().param_list()) src[p.name] = ModuleSource{p.name, true, 1, {}};
+    return src;
+  }
+  /// Loads every parameter from prefix + its source in `src` (see module_load).
+  void load_from(const std::string& path, const std::string& prefix,
+                 const std::map<std::string, ModuleSource>& src) {
+    module_load<T>(qualified("load_safetensors").c_str(), path, prefix, derived().param_list(),
+                   src);
   }
 
   /// Throws unless x is (B, N, E).
