@@ -214,18 +214,53 @@ def attention(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0
                                    softcap, alibi_slopes, sinks)
 
 
+def _rotate(x, cos, sin):
+    """(x0 cos - x1 sin, x0 sin + x1 cos) on the interleaved pairs (x0, x1) of x,
+    written into one new tensor (no stacked copies)."""
+    shape = x.shape[:-1] + (x.shape[-1] // 2, 2)
+    xv = x.reshape(shape)
+    x0, x1 = xv[..., 0], xv[..., 1]
+    out = torch.empty(shape, dtype=x.dtype)
+    o0, o1 = out[..., 0], out[..., 1]
+    torch.mul(x0, cos, out=o0)
+    o0.sub_(x1 * sin)
+    torch.mul(x0, sin, out=o1)
+    o1.add_(x1 * cos)
+    return out.flatten(-2)
+
+
+class _RopeFunction(torch.autograd.Function):
+    """The rotation with its backward, the rotation by the opposite angles: two
+    products and a sum per output, where autograd through slices and a stack
+    would zero-fill and add whole tensors."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None
+
+
 def apply_rope(x, position_offset=0, base=10000.0):
     """Rotary embedding on interleaved pairs (2i, 2i+1), as the reference's
     apply_rotary_emb(..., interleaved=True) and diffattn::apply_rope: x (B, N, H, D),
-    token n at position position_offset + n, angles computed in float64."""
+    token n at position position_offset + n, angles computed in float64; the same
+    values as x0 cos - x1 sin, x0 sin + x1 cos in x's dtype."""
     n, d = x.shape[1], x.shape[-1]
     inv_freq = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
     pos = torch.arange(position_offset, position_offset + n, dtype=torch.float64)
     angle = pos[:, None] * inv_freq[None, :]  # (N, D/2)
     cos = angle.cos().to(x.dtype)[None, :, None, :]
     sin = angle.sin().to(x.dtype)[None, :, None, :]
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _RopeFunction.apply(x, cos, sin)
+    with torch.no_grad():
+        return _rotate(x, cos, sin)
 
 
 class RMSNorm(nn.Module):

@@ -288,3 +288,19 @@ def test_cached_decoding_with_modifiers():
         assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12), cls.__name__
     with pytest.raises(ValueError, match="softcap"):
         dt.MultiheadDiffAttnV2(32, 0, 2, softcap=-1.0)
+
+
+def test_apply_rope_matches_eager_bitwise():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.randn(2, 9, 3, 8, dtype=dtype)
+        for off in (0, 5):
+            assert torch.equal(dt.apply_rope(x, off), eager.rope(x, off)), dtype
+    xs = torch.randn(2, 3, 9, 8, dtype=torch.float64).transpose(1, 2)  # not contiguous
+    assert torch.equal(dt.apply_rope(xs, 3), eager.rope(xs, 3))
+    x = r(2, 5, 3, 8)
+    y = dt.apply_rope(x, 2)
+    assert y.requires_grad and torch.equal(y, eager.rope(x.detach(), 2))
+    assert torch.autograd.gradcheck(lambda x: dt.apply_rope(x, 2), (x,))
+    g = torch.randn_like(y)
+    assert torch.allclose(torch.autograd.grad(y, x, g)[0],
+                          torch.autograd.grad(eager.rope(x, 2), x, g)[0], rtol=0, atol=1e-15)
