@@ -10,7 +10,12 @@ same state_dict): two materialised N x N maps per DIFF head, torch autograd.
     PYTHONPATH=build/python python3 examples/python/bench_torch.py [--threads 2] [--n 4096]
         [--long 16384] [--reps 3] [--keep-memory]
 
-prints the median time of --reps runs (after one warm-up) and each process's
+With --breakdown it prints instead where diffattn's forward + backward spends
+its time: the fused kernels' forward and backward calls (timed around the
+bindings) and everything else (autograd, the Python glue; for the layer also
+the projections, rotary embedding, lambda and norm), wall and CPU time.
+
+Otherwise it prints the median time of --reps runs (after one warm-up) and each process's
 peak resident memory, then runs both implementations alternated step by step in
 one process (the fairer comparison on a machine shared with other work). At --long only diffattn runs: the eager math's peak grows
 as N^2 and is extrapolated from its peak at --n.
@@ -68,6 +73,44 @@ def make_step(case, impl, n, threads):
     return step
 
 
+def run_breakdown(case, n, threads, reps):
+    """Per step of diffattn: time in the kernels' forward and backward bindings and
+    the rest, wall (perf_counter) and CPU (process_time, all threads)."""
+    import torch
+    import diffattn.torch as dt
+    torch.set_num_threads(threads)
+    acc = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}
+
+    def timed(name, f):
+        def g(*args, **kw):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return f(*args, **kw)
+            finally:
+                a = acc["backward" if name.endswith("_backward") else "forward"]
+                a[0] += time.perf_counter() - t0
+                a[1] += time.process_time() - c0
+        return g
+    for name in ("diff_attention_v1", "diff_attention_v2", "diff_attention_v1_backward",
+                 "diff_attention_v2_backward"):
+        setattr(dt._C, name, timed(name, getattr(dt._C, name)))
+    step = make_step(case, "diffattn", n, threads)
+    step()  # warm-up
+    for a in acc.values():
+        a[:] = [0.0, 0.0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(reps):
+        step()
+    wall, cpu = (time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps
+    out = {"case": case, "impl": "breakdown", "n": n, "threads": threads, "step_s": wall,
+           "step_cpu_s": cpu}
+    for k, (w, c) in acc.items():
+        out[k + "_s"], out[k + "_cpu_s"] = w / reps, c / reps
+    out["other_s"] = wall - out["forward_s"] - out["backward_s"]
+    out["other_cpu_s"] = cpu - out["forward_cpu_s"] - out["backward_cpu_s"]
+    return out
+
+
 def run_case(case, impl, n, threads, reps):
     """impl "diffattn" or "eager"; or "both": the two alternated step by step, so
     that the load of a shared machine weighs on both alike."""
@@ -108,11 +151,16 @@ def main():
                    help="let glibc keep freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) "
                         "so that the eager math's big tensors reuse pages instead of faulting "
                         "fresh ones in")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time diffattn's kernel forward, kernel backward and the rest of a step")
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.case:
-        print(json.dumps(run_case(a.case, a.impl, a.n, a.threads, a.reps)))
+        if a.impl == "breakdown":
+            print(json.dumps(run_breakdown(a.case, a.n, a.threads, a.reps)))
+        else:
+            print(json.dumps(run_case(a.case, a.impl, a.n, a.threads, a.reps)))
         return 0
 
     def child(case, impl, n, reps):
@@ -132,6 +180,20 @@ def main():
           f"{a.threads} threads, forward + backward, medians of {a.reps}"
           + (", glibc keeping freed memory" if a.keep_memory else ""))
     rows = []
+    if a.breakdown:
+        for case in ("v2_kernel", "v1_layer"):
+            b = child(case, "breakdown", a.n, a.reps)
+            rows.append(b)
+            if "error" in b:
+                print(f"{case:10s} N={a.n} breakdown: {b['error']}")
+                continue
+            print(f"{case:10s} N={a.n} per step, wall (CPU): total {b['step_s'] * 1e3:.1f} "
+                  f"({b['step_cpu_s'] * 1e3:.1f}) ms = kernel forward {b['forward_s'] * 1e3:.1f} "
+                  f"({b['forward_cpu_s'] * 1e3:.1f}) + kernel backward {b['backward_s'] * 1e3:.1f} "
+                  f"({b['backward_cpu_s'] * 1e3:.1f}) + everything else {b['other_s'] * 1e3:.1f} "
+                  f"({b['other_cpu_s'] * 1e3:.1f}) ms")
+        print(json.dumps(rows))
+        return 0
     for case in (() if a.only_interleaved else ("v2_kernel", "v1_layer")):
         d = child(case, "diffattn", a.n, a.reps)
         e = child(case, "eager", a.n, a.reps)

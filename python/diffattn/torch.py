@@ -30,7 +30,7 @@ from . import _diffattn as _C
 __all__ = [
     "diff_attention_v1", "diff_attention_v2", "attention", "DiffAttnV1Function",
     "DiffAttnV2Function", "AttentionFunction", "MultiheadDiffAttnV1", "MultiheadDiffAttnV2",
-    "RMSNorm", "KVCache", "apply_rope", "lambda_init",
+    "RMSNorm", "KVCache", "apply_rope", "lambda_init", "standard_alibi_slopes",
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -83,6 +83,18 @@ def _dsinks(sinks, dtype):
 
 def _grad_sinks(sinks, d):
     return None if sinks is None else torch.from_numpy(d).to(sinks.dtype)
+
+
+def standard_alibi_slopes(n):
+    """The standard ALiBi slopes of n heads (diffattn::standard_alibi_slopes): a
+    float32 tensor (n); 2^(-8 i / m), i = 1..m for the largest power of two m <= n,
+    then the odd i of 2^(-8 i / 2m) for the remaining heads."""
+    m = 1
+    while 2 * m <= n:
+        m *= 2
+    out = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)] if n > 0 else []
+    out += [2.0 ** (-8.0 * i / (2 * m)) for i in range(1, 2 * n, 2)][:max(n - len(out), 0)]
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def lambda_init(depth):
@@ -202,18 +214,53 @@ def attention(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0
                                    softcap, alibi_slopes, sinks)
 
 
+def _rotate(x, cos, sin):
+    """(x0 cos - x1 sin, x0 sin + x1 cos) on the interleaved pairs (x0, x1) of x,
+    written into one new tensor (no stacked copies)."""
+    shape = x.shape[:-1] + (x.shape[-1] // 2, 2)
+    xv = x.reshape(shape)
+    x0, x1 = xv[..., 0], xv[..., 1]
+    out = torch.empty(shape, dtype=x.dtype)
+    o0, o1 = out[..., 0], out[..., 1]
+    torch.mul(x0, cos, out=o0)
+    o0.sub_(x1 * sin)
+    torch.mul(x0, sin, out=o1)
+    o1.add_(x1 * cos)
+    return out.flatten(-2)
+
+
+class _RopeFunction(torch.autograd.Function):
+    """The rotation with its backward, the rotation by the opposite angles: two
+    products and a sum per output, where autograd through slices and a stack
+    would zero-fill and add whole tensors."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None
+
+
 def apply_rope(x, position_offset=0, base=10000.0):
     """Rotary embedding on interleaved pairs (2i, 2i+1), as the reference's
     apply_rotary_emb(..., interleaved=True) and diffattn::apply_rope: x (B, N, H, D),
-    token n at position position_offset + n, angles computed in float64."""
+    token n at position position_offset + n, angles computed in float64; the same
+    values as x0 cos - x1 sin, x0 sin + x1 cos in x's dtype."""
     n, d = x.shape[1], x.shape[-1]
     inv_freq = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
     pos = torch.arange(position_offset, position_offset + n, dtype=torch.float64)
     angle = pos[:, None] * inv_freq[None, :]  # (N, D/2)
     cos = angle.cos().to(x.dtype)[None, :, None, :]
     sin = angle.sin().to(x.dtype)[None, :, None, :]
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _RopeFunction.apply(x, cos, sin)
+    with torch.no_grad():
+        return _rotate(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -267,6 +314,21 @@ class KVCache:
 
 
 class _Module(nn.Module):
+    def _init_mods(self, softcap, alibi, sinks, query_heads, kw):
+        if not math.isfinite(softcap) or softcap < 0:
+            raise ValueError(f"{type(self).__name__}: softcap must be finite and >= 0 (0: none), "
+                             f"got {softcap}")
+        self.softcap, self.alibi = float(softcap), bool(alibi)
+        # The slopes are float32 kernel options, not parameters: not in the state_dict.
+        self._alibi_slopes = standard_alibi_slopes(query_heads) if alibi else None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(query_heads, **kw))
+        else:
+            self.register_parameter("sinks", None)
+
+    def _mods(self):
+        return dict(softcap=self.softcap, alibi_slopes=self._alibi_slopes, sinks=self.sinks)
+
     def _check_cache_use(self, cache):
         # The cached forward is for inference: it runs under no_grad.
         if not self.causal:
@@ -278,7 +340,9 @@ class _Module(nn.Module):
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"causal={self.causal}")
+                f"causal={self.causal}" + (f", softcap={self.softcap}" if self.softcap else "")
+                + (", alibi=True" if self.alibi else "")
+                + (", sinks=True" if self.sinks is not None else ""))
 
 
 class MultiheadDiffAttnV1(_Module):
@@ -291,11 +355,17 @@ class MultiheadDiffAttnV1(_Module):
     lambda_k1, lambda_q2, lambda_k2 (head_dim) from N(0, 0.1); subln.weight (2
     head_dim)). forward(x) takes x (B, N, E) and returns (B, N, E); with a cache
     (make_cache) it runs n new tokens after those cached, without autograd.
+
+    Score modifiers, as DiffAttnV1Config: softcap (> 0: softcap tanh(s / softcap)),
+    alibi (True: ALiBi with standard_alibi_slopes(2 num_heads), one slope per
+    query head of both maps) and sinks (True: a learned sink per query head, the
+    parameter `sinks` (2 num_heads), zero-initialised, trained through autograd).
     """
 
     def __init__(self, embed_dim, depth, num_heads, num_kv_heads=None, *, causal=True, rope=True,
                  norm_affine=True, rope_base=10000.0, window_left=-1, window_right=-1,
-                 head_dim=None, norm_eps=1e-5, num_threads=0, device=None, dtype=None):
+                 head_dim=None, norm_eps=1e-5, num_threads=0, softcap=0.0, alibi=False,
+                 sinks=False, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
@@ -316,6 +386,7 @@ class MultiheadDiffAttnV1(_Module):
         self.lambda_q2 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
         self.lambda_k2 = nn.Parameter(torch.zeros(d, **kw).normal_(mean=0, std=0.1))
         self.subln = RMSNorm(2 * d, eps=norm_eps, elementwise_affine=norm_affine, **kw)
+        self._init_mods(softcap, alibi, sinks, 2 * num_heads, kw)
 
     def lambda_full(self):
         """exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init (a 0-d tensor)."""
@@ -343,7 +414,8 @@ class MultiheadDiffAttnV1(_Module):
             return self._forward_cached(x, cache)
         q, k, v = self._qkv(x, position_offset)
         attn = DiffAttnV1Function.apply(q, k, v, self.lambda_full(), self.causal,
-                                        self.window_left, self.window_right, 0.0, self.num_threads)
+                                        self.window_left, self.window_right, 0.0, self.num_threads,
+                                        self.softcap, self._alibi_slopes, self.sinks)
         return self._out(attn)
 
     def make_cache(self, batch, capacity, dtype=None):
@@ -360,8 +432,8 @@ class MultiheadDiffAttnV1(_Module):
         lens = cache._append("MultiheadDiffAttnV1.forward", k, v)
         lam = float(self.lambda_full())
         out, _ = _C.diff_attention_v1_kvcache(
-            _np(q), _np(cache.k), _np(cache.v), lam, lens, causal=True,
-            window_left=self.window_left, num_threads=self.num_threads)
+            _np(q), _np(cache.k), _np(cache.v), lam, lens,
+            **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
         return self._out(_torch(out))
 
 
@@ -373,11 +445,15 @@ class MultiheadDiffAttnV2(_Module):
     DIFF heads (2 num_heads query heads) of head_dim = embed_dim / num_heads,
     num_kv_heads kv heads; q_proj, k_proj, v_proj, o_proj, lambda_proj nn.Linear
     without bias. depth is the reference signature's, unused (no lambda_init).
+
+    Score modifiers, as DiffAttnV2Config: softcap, alibi (standard_alibi_slopes(2
+    num_heads), one slope per query head) and sinks (the parameter `sinks` (2
+    num_heads), zero-initialised, trained through autograd), as MultiheadDiffAttnV1.
     """
 
     def __init__(self, embed_dim, depth, num_heads, num_kv_heads=None, *, head_dim=None,
                  causal=True, rope=True, rope_base=10000.0, window_left=-1, window_right=-1,
-                 num_threads=0, device=None, dtype=None):
+                 num_threads=0, softcap=0.0, alibi=False, sinks=False, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if num_heads % num_kv_heads:
@@ -393,6 +469,7 @@ class MultiheadDiffAttnV2(_Module):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * hd, bias=False, **kw)
         self.o_proj = nn.Linear(num_heads * hd, embed_dim, bias=False, **kw)
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False, **kw)
+        self._init_mods(softcap, alibi, sinks, 2 * num_heads, kw)
 
     def _qkv(self, x, offset):
         b, n, _ = x.shape
@@ -413,7 +490,8 @@ class MultiheadDiffAttnV2(_Module):
             return self._forward_cached(x, cache)
         q, k, v, logit = self._qkv(x, position_offset)
         attn = DiffAttnV2Function.apply(q, k, v, logit, self.causal, self.window_left,
-                                        self.window_right, 0.0, self.num_threads)
+                                        self.window_right, 0.0, self.num_threads, self.softcap,
+                                        self._alibi_slopes, self.sinks)
         return self._out(attn)
 
     def make_cache(self, batch, capacity, dtype=None):
@@ -429,6 +507,6 @@ class MultiheadDiffAttnV2(_Module):
         q, k, v, logit = self._qkv(x, cache.size())
         lens = cache._append("MultiheadDiffAttnV2.forward", k, v)
         out, _ = _C.diff_attention_v2_kvcache(
-            _np(q), _np(cache.k), _np(cache.v), _np(logit), lens, causal=True,
-            window_left=self.window_left, num_threads=self.num_threads)
+            _np(q), _np(cache.k), _np(cache.v), _np(logit), lens,
+            **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
         return self._out(_torch(out))

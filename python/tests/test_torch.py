@@ -2,6 +2,8 @@
 modules against the papers' eager PyTorch modules, zero-copy hand-over, 16-bit
 forward, cached decoding, training with a torch optimizer."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -168,3 +170,137 @@ def test_score_modifiers():
                                         alibi_slopes=mods["alibi_slopes"].numpy(),
                                         sinks=sinks.detach().numpy())
     assert np.allclose(sinks.grad.numpy(), ds) and np.any(ds != 0)
+
+
+def _mod_pair(version, e, h, hkv, **mods):
+    """The eager module and diffattn.torch's, float64, with the same state_dict
+    (sinks set to values a float32 holds exactly: the kernels take them as float32)."""
+    ref = (eager.EagerDiffAttnV1 if version == 1 else eager.EagerDiffAttnV2)(e, 2, h, hkv, **mods)
+    mod = (dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2)(e, 2, h, hkv,
+                                                                              **mods)
+    ref.double()
+    mod.double()
+    if mods.get("sinks"):
+        with torch.no_grad():
+            ref.sinks.copy_(torch.randint(-12, 12, (2 * h,)) / 8.0)
+    assert set(mod.state_dict()) == set(ref.state_dict())
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+def test_standard_alibi_slopes():
+    for n in (1, 2, 6, 8, 12, 16):
+        assert torch.equal(dt.standard_alibi_slopes(n).double(), eager.alibi_slopes(n)), n
+    assert np.array_equal(dt.standard_alibi_slopes(12).numpy(),
+                          np.float32([2.0 ** (-8 * i / 8) for i in range(1, 9)]
+                                     + [2.0 ** (-8 * i / 16) for i in (1, 3, 5, 7)]))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("mods", [dict(softcap=2.0), dict(alibi=True), dict(sinks=True),
+                                  dict(softcap=3.0, alibi=True, sinks=True)])
+def test_module_modifiers_match_eager(version, mods):
+    e, h, hkv, n = 32, 4, 2, 9
+    torch.manual_seed(7 + version)
+    ref, mod = _mod_pair(version, e, h, hkv, **mods)
+    assert ("sinks" in mod.state_dict()) == bool(mods.get("sinks"))
+    if mods.get("sinks"):
+        assert mod.sinks.shape == (2 * h,) and mod.sinks.dtype == torch.float64
+    x = r(2, n, e)
+    y_ref, y = ref(x), mod(x)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    plain = type(mod)(e, 2, h, hkv, dtype=torch.float64)  # the modifiers change the output
+    plain.load_state_dict({k: t for k, t in ref.state_dict().items() if k != "sinks"})
+    assert (plain(x) - y).abs().max() > 1e-6
+    g = torch.randn_like(y)
+    y_ref.backward(g)
+    y.backward(g)
+    ref_params = dict(ref.named_parameters())
+    for name, p in mod.named_parameters():
+        assert torch.allclose(p.grad, ref_params[name].grad, rtol=0, atol=1e-11), name
+    assert torch.allclose(x.grad, torch.autograd.grad(ref(x), x, g)[0] * 2, rtol=0, atol=1e-11)
+    if mods.get("sinks"):
+        assert mod.sinks.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_gradcheck_modules_with_sinks(version):
+    # sinks of a few bits and a step of 2^-16: sinks +- the step are exact in
+    # float32, the kernels' type for the sinks, so the differences are float64's.
+    torch.manual_seed(11)
+    cls = dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2
+    mod = cls(16, 1, 2, 1, softcap=4.0, alibi=True, sinks=True, dtype=torch.float64)
+    sinks = (torch.randint(-8, 8, (4,)) / 4.0).double().requires_grad_()
+    x = r(1, 5, 16)
+    call = torch.nn.utils.stateless.functional_call
+    assert torch.autograd.gradcheck(lambda x, s: call(mod, {"sinks": s}, (x,)), (x, sinks),
+                                    eps=2.0 ** -16)
+    q, k, v, logit = r(1, 4, 4, 4), r(1, 6, 1, 4), r(1, 6, 1, 4), r(1, 4, 2)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, lg, s: dt.diff_attention_v2(q, k, v, lg, causal=True, softcap=2.0,
+                                                    alibi_slopes=dt.standard_alibi_slopes(4),
+                                                    sinks=s),
+        (q, k, v, logit, sinks), eps=2.0 ** -16)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_modifiers_state_dict_through_safetensors(version, tmp_path):
+    from test_layers import save_safetensors
+    e, h, hkv = 32, 2, 1
+    mods = dict(softcap=5.0, alibi=True, sinks=True)
+    torch.manual_seed(20 + version)
+    _, mod = _mod_pair(version, e, h, hkv, **mods)
+    path = str(tmp_path / "mod.safetensors")
+    save_safetensors(path, {k: t.numpy() for k, t in mod.state_dict().items()})
+    layer = (diffattn.MultiheadDiffAttnV1 if version == 1 else diffattn.MultiheadDiffAttnV2)(
+        e, 2, h, hkv, dtype=np.float64, **mods)
+    layer.load_safetensors(path)
+    assert np.array_equal(layer.parameters()["sinks"], mod.sinks.detach().numpy())
+    x = torch.randn(2, 7, e, dtype=torch.float64)
+    y = mod(x).detach()
+    assert np.max(np.abs(layer.forward(x.numpy()) - y.numpy())) <= 1e-12 * float(y.abs().max())
+    # and back: the C++ layer's file into a fresh torch module
+    back = str(tmp_path / "back.safetensors")
+    layer.save_safetensors(back)
+    with open(back, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header, data = json.loads(f.read(n)), f.read()
+    sd = {k: torch.from_numpy(np.frombuffer(data[m["data_offsets"][0]:m["data_offsets"][1]],
+                                            np.float64).reshape(m["shape"]).copy())
+          for k, m in header.items() if k != "__metadata__"}
+    assert header["sinks"]["dtype"] == "F64" and set(sd) == set(mod.state_dict())
+    mod2 = type(mod)(e, 2, h, hkv, dtype=torch.float64, **mods)
+    mod2.load_state_dict(sd)
+    assert torch.equal(mod2(x), mod(x))
+
+
+def test_cached_decoding_with_modifiers():
+    torch.manual_seed(5)
+    for cls in (dt.MultiheadDiffAttnV1, dt.MultiheadDiffAttnV2):
+        layer = cls(32, 1, 2, 1, softcap=3.0, alibi=True, sinks=True, dtype=torch.float64)
+        with torch.no_grad():
+            layer.sinks.copy_(torch.tensor([0.5, -1.0, 0.25, 1.5]))
+        x = torch.randn(2, 10, 32, dtype=torch.float64)
+        with torch.no_grad():
+            full = layer(x)
+            cache = layer.make_cache(2, 16)
+            parts = [layer(x[:, :6], cache)] + [layer(x[:, i:i + 1], cache) for i in range(6, 10)]
+        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12), cls.__name__
+    with pytest.raises(ValueError, match="softcap"):
+        dt.MultiheadDiffAttnV2(32, 0, 2, softcap=-1.0)
+
+
+def test_apply_rope_matches_eager_bitwise():
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.randn(2, 9, 3, 8, dtype=dtype)
+        for off in (0, 5):
+            assert torch.equal(dt.apply_rope(x, off), eager.rope(x, off)), dtype
+    xs = torch.randn(2, 3, 9, 8, dtype=torch.float64).transpose(1, 2)  # not contiguous
+    assert torch.equal(dt.apply_rope(xs, 3), eager.rope(xs, 3))
+    x = r(2, 5, 3, 8)
+    y = dt.apply_rope(x, 2)
+    assert y.requires_grad and torch.equal(y, eager.rope(x.detach(), 2))
+    assert torch.autograd.gradcheck(lambda x: dt.apply_rope(x, 2), (x,))
+    g = torch.randn_like(y)
+    assert torch.allclose(torch.autograd.grad(y, x, g)[0],
+                          torch.autograd.grad(eager.rope(x, 2), x, g)[0], rtol=0, atol=1e-15)
