@@ -36,6 +36,7 @@
 #include "../core/validate.hpp"
 #include "../core/workspace.hpp"
 #include "../kernel/attention_kernel.hpp"
+#include "../kernel/bf16_dot.hpp"
 #include "../kernel/convert.hpp"
 #include "../kernel/dispatch.hpp"
 #include "../kernel/gemm.hpp"
@@ -78,15 +79,23 @@ struct BackwardWorkspace {
   ScratchBuffer<T> dq;                // dQ block
   ScratchBuffer<T> th[2];             // softcap: a row's tanh(s / cap) per map
   ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
+  // bf16 dot products (bfloat16 storage, bf16_dot.hpp): pairs of bf16 per
+  // word, in place of kt and vt (keys and values, score layout) and as the
+  // unscaled queries and dO of S = Q K^T and dW = dO V^T.
+  ScratchBuffer<std::uint32_t> kp[2], vp, qp[2], dop;
 
   void trim() {
     ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0],  &kc[1],  &vt,     &dkt[0], &dkt[1], &dvt,
                                &qs[0], &qs[1], &qst[0], &qst[1], &dout,   &doutt,  &s[0],   &s[1],
                                &s[2],  &dq,    &th[0],  &th[1],  &sin[0], &sin[1]};
+    ScratchBuffer<std::uint32_t>* words[] = {&kp[0], &kp[1], &vp, &qp[0], &qp[1], &dop};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
-    if (total > Workspace<T>::kRetainBytes)
+    for (auto* b : words) total += b->bytes();
+    if (total > Workspace<T>::kRetainBytes) {
       for (auto* b : all) b->release();
+      for (auto* b : words) b->release();
+    }
   }
 };
 
@@ -210,26 +219,52 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   const index_t mpad = round_up(kend_all, NR);
   const index_t dpad_nr = round_up(d, NR), dpad_mr = round_up(d, MR), dvpad_mr = round_up(dv, MR);
 
+  // bfloat16 storage under AVX512-BF16: S = Q K^T and dW = dO V^T on bf16
+  // dot products (bf16_dot.hpp), keys and values packed as pairs along the
+  // depth, queries unscaled with the scale applied to each score (as the
+  // forward computes them); every input is exact, so each product is a float
+  // sum of the same exact products in another order. The other products take
+  // float operands (dS, W) and stay on the float micro-kernel.
+  constexpr bool dot = use_bf16_dot<T, T>;
+  const index_t dk = bf16_pairs(d), dvk = bf16_pairs(dv);
+
   // Packed keys and values of the group; zeroed accumulators.
   C* kt[2] = {nullptr, nullptr};
   C* kc[2] = {nullptr, nullptr};
   C* dkt[2] = {nullptr, nullptr};
+  std::uint32_t* kp[2] = {nullptr, nullptr};
   for (int m = 0; m < kbufs; ++m) {
-    kt[m] = ws.kt[m].get(std::max<index_t>(mpad * d, 1));
+    if constexpr (dot)
+      kp[m] = ws.kp[m].get(std::max<index_t>(mpad * dk, 1));
+    else
+      kt[m] = ws.kt[m].get(std::max<index_t>(mpad * d, 1));
     kc[m] = ws.kc[m].get(std::max<index_t>(kend_all * dpad_nr, 1));
     dkt[m] = ws.dkt[m].get(std::max<index_t>(dpad_mr * mpad, 1));
     std::fill(dkt[m], dkt[m] + dpad_mr * mpad, C(0));
     if (kend_all > 0) {
       const T* src = &p.k(sq.b, sq.k0, hg.k[m], 0);
-      pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
+      if constexpr (dot)
+        pack_pairs_transposed_from(StridedRows<T>{src, p.k.stride(1)}, kend_all, d, kp[m]);
+      else
+        pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
       pack_cols(src, p.k.stride(1), kend_all, d, kc[m]);
     }
   }
-  C* vt = ws.vt.get(std::max<index_t>(mpad * dv, 1));
+  C* vt = nullptr;
+  std::uint32_t* vp = nullptr;
+  if constexpr (dot)
+    vp = ws.vp.get(std::max<index_t>(mpad * dvk, 1));
+  else
+    vt = ws.vt.get(std::max<index_t>(mpad * dv, 1));
   C* dvt = ws.dvt.get(std::max<index_t>(dvpad_mr * mpad, 1));
   std::fill(dvt, dvt + dvpad_mr * mpad, C(0));
-  if (kend_all > 0)
-    pack_rows_transposed(&p.v(sq.b, sq.k0, hg.v, 0), p.v.stride(1), kend_all, dv, vt);
+  if (kend_all > 0) {
+    const T* src = &p.v(sq.b, sq.k0, hg.v, 0);
+    if constexpr (dot)
+      pack_pairs_transposed_from(StridedRows<T>{src, p.v.stride(1)}, kend_all, dv, vp);
+    else
+      pack_rows_transposed(src, p.v.stride(1), kend_all, dv, vt);
+  }
 
   const index_t nblocks = (N + BM - 1) / BM;
   for (index_t oh = g * p.group; oh < (g + 1) * p.group; ++oh) {
@@ -251,6 +286,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       // Scaled queries, their transpose; dO and its transpose.
       C* qs[2] = {nullptr, nullptr};
       C* qst[2] = {nullptr, nullptr};
+      std::uint32_t* qp[2] = {nullptr, nullptr};
       for (int m = 0; m < maps; ++m) {
         qs[m] = ws.qs[m].get(rows_pad * d);
         for (index_t ii = 0; ii < rows; ++ii) {
@@ -261,6 +297,12 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
         qst[m] = ws.qst[m].get(dpad_mr * rows_pad);
         transpose_padded(qs[m], d, rows, d, rows_pad, dpad_mr, qst[m]);
+        if constexpr (dot) {
+          qp[m] = ws.qp[m].get(rows_pad * dk);
+          for (index_t ii = 0; ii < rows; ++ii)
+            pack_query_pairs(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, qp[m] + ii * dk);
+          std::fill(qp[m] + rows * dk, qp[m] + rows_pad * dk, 0u);
+        }
       }
       C* dob = ws.dout.get(rows_pad * dv);
       for (index_t ii = 0; ii < rows; ++ii)
@@ -268,6 +310,13 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       std::fill(dob + rows * dv, dob + rows_pad * dv, C(0));
       C* dobt = ws.doutt.get(dvpad_mr * rows_pad);
       transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
+      std::uint32_t* dop = nullptr;
+      if constexpr (dot) {
+        dop = ws.dop.get(rows_pad * dvk);
+        for (index_t ii = 0; ii < rows; ++ii)
+          pack_query_pairs(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dop + ii * dvk);
+        std::fill(dop + rows * dvk, dop + rows_pad * dvk, 0u);
+      }
 
       // Scores of each map and dW = dO V^C, tile by tile inside the band.
       C* s[3] = {ws.s[0].get(rows_pad * lds), maps == 2 ? ws.s[1].get(rows_pad * lds) : nullptr,
@@ -276,10 +325,17 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         for (index_t r = 0; r < tiles; ++r) {
           if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
           const index_t col = r * MR * lds + (j0 - kbase);
-          for (int m = 0; m < maps; ++m)
-            micro_kernel<C>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR, s[m] + col,
-                            lds, false);
-          micro_kernel<C>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
+          if constexpr (dot) {
+            for (int m = 0; m < maps; ++m)
+              micro_kernel_bf16(dk, qp[m] + r * MR * dk, dk, kp[shared_k ? 0 : m] + j0 * dk,
+                                s[m] + col, lds, p.scale);
+            micro_kernel_bf16(dvk, dop + r * MR * dvk, dvk, vp + j0 * dvk, s[2] + col, lds, 1.0f);
+          } else {
+            for (int m = 0; m < maps; ++m)
+              micro_kernel<C>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR,
+                              s[m] + col, lds, false);
+            micro_kernel<C>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
+          }
         }
       }
 
