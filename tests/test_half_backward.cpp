@@ -85,10 +85,15 @@ struct Shape {
 };
 
 struct Case {
-  Kind kind;
-  Shape s;
-  bool causal;
+  Case() = default;
+  Case(Kind kind_, Shape s_, bool causal_, index_t left = -1, index_t right = -1)
+      : kind(kind_), s(s_), causal(causal_), window_left(left), window_right(right) {}
+  Kind kind = Kind::plain;
+  Shape s{};
+  bool causal = false;
   index_t window_left = -1, window_right = -1;
+  float softcap = 0;
+  std::vector<float> slopes, sinks;  // ALiBi slopes, sinks (Hq), or empty
 };
 
 /// One problem in storage T: inputs, the forward's out and lse, and the
@@ -116,6 +121,10 @@ struct Problem {
     o.causal = c.causal;
     o.window_left = c.window_left;
     o.window_right = c.window_right;
+    o.softcap = c.softcap;
+    if (!c.slopes.empty())
+      o.alibi_slopes = TensorView<const float, 1>(c.slopes.data(), {lse_heads()});
+    if (!c.sinks.empty()) o.sinks = TensorView<const float, 1>(c.sinks.data(), {lse_heads()});
     return o;
   }
 
@@ -137,13 +146,18 @@ struct Problem {
     Tensor<T, 4> dq, dk, dv;
     Tensor<T, 3> dlogit;
     Tensor<C, 1> dlambda;  // (1) or (H)
+    Tensor<C, 1> dsinks;   // (Hq) with sinks, else (0)
   };
 
   Grads backward(bool reference) const {
-    Grads g{Tensor<T, 4>(q.shape()), Tensor<T, 4>(k.shape()), Tensor<T, 4>(v.shape()),
+    Grads g{Tensor<T, 4>(q.shape()),
+            Tensor<T, 4>(k.shape()),
+            Tensor<T, 4>(v.shape()),
             Tensor<T, 3>(logit.shape()),
-            Tensor<C, 1>({c.kind == Kind::v1_heads ? c.s.H : index_t(1)})};
+            Tensor<C, 1>({c.kind == Kind::v1_heads ? c.s.H : index_t(1)}),
+            Tensor<C, 1>({c.sinks.empty() ? index_t(0) : lse_heads()})};
     const AttentionOptions o = options();
+    const TensorView<C, 1> ds = c.sinks.empty() ? TensorView<C, 1>() : g.dsinks.view();
     namespace ref = diffattn::reference;
     if (c.kind == Kind::v1) {
       if constexpr (std::is_same<T, C>::value) {
@@ -154,7 +168,7 @@ struct Problem {
         }
       }
       diffattn::diff_attention_v1_backward<T>(q, k, v, lambda, out, lse, dout, g.dq, g.dk, g.dv,
-                                              g.dlambda(0), o);
+                                              g.dlambda(0), o, ds);
     } else if (c.kind == Kind::v1_heads) {
       if constexpr (std::is_same<T, C>::value) {
         if (reference) {
@@ -164,7 +178,7 @@ struct Problem {
         }
       }
       diffattn::diff_attention_v1_backward<T>(q, k, v, lambda_heads, out, lse, dout, g.dq, g.dk,
-                                              g.dv, g.dlambda, o);
+                                              g.dv, g.dlambda, o, ds);
     } else if (c.kind == Kind::v2) {
       if constexpr (std::is_same<T, C>::value) {
         if (reference) {
@@ -174,7 +188,7 @@ struct Problem {
         }
       }
       diffattn::diff_attention_v2_backward<T>(q, k, v, logit, out, lse, dout, g.dq, g.dk, g.dv,
-                                              g.dlogit, o);
+                                              g.dlogit, o, ds);
     } else {
       if constexpr (std::is_same<T, C>::value) {
         if (reference) {
@@ -182,7 +196,7 @@ struct Problem {
           return g;
         }
       }
-      diffattn::attention_backward<T>(q, k, v, out, lse, dout, g.dq, g.dk, g.dv, o);
+      diffattn::attention_backward<T>(q, k, v, out, lse, dout, g.dq, g.dk, g.dv, o, ds);
     }
     return g;
   }
@@ -253,8 +267,8 @@ void check_case(const Case& c, std::uint64_t seed) {
   auto check = [&](const char* what, double err16, double errf, double naive_err, bool rounded) {
     const double e_f = std::max(2 * naive_err, 5e-5);
     const double bound = rounded ? u * (1 + e_f) + e_f : e_f;
-    INFO(what << ": 16-bit " << err16 << ", float kernel " << errf << ", naive float "
-              << naive_err << ", bound " << bound);
+    INFO(what << ": 16-bit " << err16 << ", float kernel " << errf << ", naive float " << naive_err
+              << ", bound " << bound);
     CHECK(errf <= e_f);
     CHECK(err16 <= bound);
   };
@@ -289,6 +303,47 @@ void check_case(const Case& c, std::uint64_t seed) {
   }
 }
 
+/// Score modifiers (softcap, ALiBi, sinks and dsinks): the float64 reference
+/// does not take them, so y is the double kernel (tested against finite
+/// differences in test_modifiers.cpp) and e_f twice the float kernel's error
+/// against it (at least 5e-5); the same bound, and on the float path the same
+/// bitwise statement, as check_case.
+template <class S>
+void check_modified_case(const Case& c, std::uint64_t seed) {
+  const Shape& s = c.s;
+  INFO(type_name<S>() << " " << name(c.kind) << " N=" << s.N << " M=" << s.M << " H=" << s.H
+                      << " Hkv=" << s.Hkv << " causal=" << c.causal << " softcap=" << c.softcap
+                      << " alibi=" << !c.slopes.empty() << " sinks=" << !c.sinks.empty()
+                      << " bf16 dot products: " << bf16_dot<S>());
+  const Problem<S> p16 = make_problem<S>(c, seed);
+  const Problem<float> pf = convert<float>(p16);
+  const Problem<double> pd = convert<double>(p16);
+  const auto g16 = p16.backward(false);
+  const auto gf = pf.backward(false);
+  const auto y = pd.backward(false);
+  const double u = unit_roundoff<S>();
+  auto check = [&](const char* what, double err16, double errf, bool rounded) {
+    const double e_f = std::max(2 * errf, 5e-5);
+    const double bound = rounded ? u * (1 + e_f) + e_f : e_f;
+    INFO(what << ": 16-bit " << err16 << ", float kernel " << errf << ", bound " << bound);
+    CHECK(err16 <= bound);
+  };
+  check("dq", rel_error(g16.dq, y.dq), rel_error(gf.dq, y.dq), true);
+  check("dk", rel_error(g16.dk, y.dk), rel_error(gf.dk, y.dk), true);
+  check("dv", rel_error(g16.dv, y.dv), rel_error(gf.dv, y.dv), true);
+  if (c.kind == Kind::v2)
+    check("dlambda_logit", rel_error(g16.dlogit, y.dlogit), rel_error(gf.dlogit, y.dlogit), true);
+  if (!c.sinks.empty())
+    check("dsinks", rel_error(g16.dsinks, y.dsinks), rel_error(gf.dsinks, y.dsinks), false);
+  if (!bf16_dot<S>()) {
+    CHECK(bitwise_rounded(g16.dq, gf.dq));
+    CHECK(bitwise_rounded(g16.dk, gf.dk));
+    CHECK(bitwise_rounded(g16.dv, gf.dv));
+    if (c.kind == Kind::v2) CHECK(bitwise_rounded(g16.dlogit, gf.dlogit));
+    CHECK(bitwise_rounded(g16.dsinks, gf.dsinks));
+  }
+}
+
 template <class S>
 void check_all_families() {
   std::uint64_t seed = 700;
@@ -306,6 +361,17 @@ void check_all_families() {
     check_case<S>({kind, {1, 67, 71, 2, 1, 8}, true, 9, -1}, seed += 10);
     check_case<S>({kind, {2, 19, 19, 2, 2, 4}, false, 4, 3}, seed += 10);
     check_case<S>({kind, {1, 11, 31, 2, 1, 6}, false, -1, 2}, seed += 10);
+  }
+  // Score modifiers: softcap, ALiBi and sinks together, causal with an offset.
+  for (Kind kind : {Kind::v1, Kind::v1_heads, Kind::v2, Kind::plain}) {
+    Case c{kind, {1, 13, 29, 2, 1, 8}, true};
+    const index_t hq = kind == Kind::plain ? 2 : 4;
+    c.softcap = 5.0f;
+    for (index_t h = 0; h < hq; ++h) {
+      c.slopes.push_back(std::pow(2.0f, -0.5f * static_cast<float>(h + 1)));
+      c.sinks.push_back(0.5f - 0.4f * static_cast<float>(h));
+    }
+    check_modified_case<S>(c, seed += 10);
   }
 }
 
@@ -340,8 +406,8 @@ TEST_CASE("16-bit varlen backward equals the batch backward of each sequence",
   diffattn::diff_attention_v2_varlen<S>(q, k, v, logit, out, lse, seqs, o);
   Tensor<S, 3> dq(q.shape()), dk(k.shape()), dv(v.shape());
   Tensor<S, 2> dlogit(logit.shape());
-  diffattn::diff_attention_v2_varlen_backward<S>(q, k, v, logit, out, lse, dout, dq, dk, dv,
-                                                 dlogit, seqs, o);
+  diffattn::diff_attention_v2_varlen_backward<S>(q, k, v, logit, out, lse, dout, dq, dk, dv, dlogit,
+                                                 seqs, o);
   index_t q0 = 0, k0 = 0;
   for (std::size_t sidx = 0; sidx < nq.size(); ++sidx) {
     const index_t n = nq[sidx], m = nk[sidx];
