@@ -25,6 +25,12 @@ DIFFATTN_BEGIN_NAMESPACE
 /// for any thread count. Checks and errors as in the forward kernels; no
 /// gradient may overlap an input or another gradient.
 ///
+/// Storage T: float, double, bfloat16 or half, as in the forward. 16-bit
+/// storage computes and accumulates in float (compute_t<T>): q, k, v and dout
+/// are widened where they are packed, dq, dk, dv (and V2's dlambda_logit) are
+/// written as T, rounded once each; lse, lambda, dlambda and dsinks are float
+/// (docs/storage.md).
+///
 /// Score modifiers (options.softcap, alibi_slopes, sinks) must be those of the
 /// forward call. The last argument, dsinks (Hq), optional, receives the
 /// gradient of options.sinks summed over batch and rows (an empty view, the
