@@ -13,6 +13,9 @@
 // bfloat16 (V2's lambda_logit too): under AVX512-BF16 both products run on
 // bf16 dot products (detail/kernel/bf16_dot.hpp, detail/kernel/bf16_wv.hpp). Their rates
 // are compared with BM_Bf16Peak, the instruction's peak in the same run.
+// BM_Bf16_V1Backward and BM_Bf16_PlainBackward: the backward of the same
+// shapes with bfloat16 storage (lse float), beside BM_Fused_V1Backward and
+// BM_Fused_PlainBackward.
 //
 // Arguments: {N, threads}. B = 1, causal.
 #include <benchmark/benchmark.h>
@@ -176,6 +179,37 @@ void plain_backward(benchmark::State& state) {
       4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
 }
 
+/// The backward of v1_backward (Kind 0) and plain_backward (Kind 2) with q,
+/// k, v, out, dout and the gradients stored as S (lse float): the pair of
+/// BM_Fused_V1Backward and BM_Fused_PlainBackward.
+template <class S, int Kind>
+void backward16(benchmark::State& state) {
+  const index_t n = state.range(0), d = kHeadDim;
+  const index_t H = Kind == 0 ? 8 : 16, qh = 16, kh = 16, vw = Kind == 0 ? 2 * d : d;
+  const index_t vh = H, lh = Kind == 0 ? 2 * H : H;
+  const auto q = to<S>(random4({1, n, qh, d}, 1)), k = to<S>(random4({1, n, kh, d}, 2)),
+             v = to<S>(random4({1, n, vh, vw}, 3)), dout = to<S>(random4({1, n, H, vw}, 4));
+  Tensor<S, 4> out({1, n, H, vw}), dq(q.shape()), dk(k.shape()), dv(v.shape());
+  Tensor<float, 3> lse({1, lh, n});
+  const auto o = options(state, true);
+  if constexpr (Kind == 0)
+    diffattn::diff_attention_v1<S>(q, k, v, 0.8f, out, lse, o);
+  else
+    diffattn::attention<S>(q, k, v, out, lse, o);
+  float dlambda = 0;
+  for (auto _ : state) {
+    if constexpr (Kind == 0)
+      diffattn::diff_attention_v1_backward<S>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda,
+                                              o);
+    else
+      diffattn::attention_backward<S>(q, k, v, out, lse, dout, dq, dk, dv, o);
+    benchmark::DoNotOptimize(dq.data());
+  }
+  set_counters(state, 2.5 * (Kind == 0 ? 8.0 * 8 : 4.0 * 16) * visible_pairs(n) * d,
+               static_cast<double>(sizeof(S)) * static_cast<double>(2 * q.size() + 2 * k.size() +
+                                                                    2 * v.size() + 2 * out.size()));
+}
+
 // Decoding: one new query against M cached keys; bytes counts the K and V read.
 template <bool Diff>
 void decode(benchmark::State& state) {
@@ -332,6 +366,8 @@ void BM_Mod_V1Backward(benchmark::State& s) { modifiers_backward(s); }
 void BM_Bf16_V1(benchmark::State& s) { fused16<diffattn::bfloat16, 0>(s); }
 void BM_Bf16_V2(benchmark::State& s) { fused16<diffattn::bfloat16, 1>(s); }
 void BM_Bf16_Plain(benchmark::State& s) { fused16<diffattn::bfloat16, 2>(s); }
+void BM_Bf16_V1Backward(benchmark::State& s) { backward16<diffattn::bfloat16, 0>(s); }
+void BM_Bf16_PlainBackward(benchmark::State& s) { backward16<diffattn::bfloat16, 2>(s); }
 
 void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
   for (long threads : {1, 2})
@@ -357,6 +393,8 @@ BENCHMARK(BM_Fused_V2Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_PlainDecode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Bf16_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Bf16_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
 // Modifiers: N = 4096 causal, 2 threads (the document mask at 8192 = 8 x 1024).
 BENCHMARK(BM_Mod_V1)

@@ -25,6 +25,12 @@ DIFFATTN_BEGIN_NAMESPACE
 /// for any thread count. Checks and errors as in the forward kernels; no
 /// gradient may overlap an input or another gradient.
 ///
+/// Storage T: float, double, bfloat16 or half, as in the forward. 16-bit
+/// storage computes and accumulates in float (compute_t<T>): q, k, v and dout
+/// are widened where they are packed, dq, dk, dv (and V2's dlambda_logit) are
+/// written as T, rounded once each; lse, lambda, dlambda and dsinks are float
+/// (docs/storage.md).
+///
 /// Score modifiers (options.softcap, alibi_slopes, sinks) must be those of the
 /// forward call. The last argument, dsinks (Hq), optional, receives the
 /// gradient of options.sinks summed over batch and rows (an empty view, the
@@ -39,14 +45,11 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<compute_t<T>> lambda,
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
-    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
-    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v1_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, compute_t<T>& dlambda,
+    const AttentionOptions& options = {}, detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   detail::BackwardProblem<T> bp =
       detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                             TensorView<T, 1>(&dlambda, {1}), options);
+                             TensorView<compute_t<T>, 1>(&dlambda, {1}), options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options);
 }
@@ -59,11 +62,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v1_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
+    detail::nondeduced_view<compute_t<T>, 1> dlambda, const AttentionOptions& options = {},
+    detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
                                                          dq, dk, dv, dlambda, options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
@@ -80,10 +80,7 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v2_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
+    detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
                                                          dk, dv, dlambda_logit, options);
   detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
@@ -100,10 +97,7 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
                         const AttentionOptions& options = {},
-                        detail::nondeduced_view<T, 1> dsinks = {}) {
-  static_assert(!is_half_storage_v<T>,
-                "attention_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
+                        detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   detail::BackwardProblem<T> bp =
       detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
   detail::attach_dsinks("attention_backward", bp, dsinks);
@@ -125,12 +119,12 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> v, detail::nondeduced_t<compute_t<T>> lambda,
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
-    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
-    const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
-  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+    detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, compute_t<T>& dlambda,
+    const AttentionOptions& options, detail::nondeduced_view<compute_t<T>, 1> dsinks,
+    const Mod& mod) {
   detail::BackwardProblem<T> bp =
       detail::backward_v1<T>(q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                             TensorView<T, 1>(&dlambda, {1}), options);
+                             TensorView<compute_t<T>, 1>(&dlambda, {1}), options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
   detail::run_attention_backward(bp, options, mod);
 }
@@ -142,9 +136,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<const T, 4> out, detail::nondeduced_view<const compute_t<T>, 3> lse,
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-    detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
-    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
-  static_assert(!is_half_storage_v<T>, "diff_attention_v1_backward: no 16-bit storage");
+    detail::nondeduced_view<compute_t<T>, 1> dlambda, const AttentionOptions& options,
+    detail::nondeduced_view<compute_t<T>, 1> dsinks, const Mod& mod) {
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(q, k, v, nullptr, &lambda, out, lse, dout,
                                                          dq, dk, dv, dlambda, options);
   detail::attach_dsinks("diff_attention_v1_backward", bp, dsinks);
@@ -159,8 +152,7 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options,
-    detail::nondeduced_view<T, 1> dsinks, const Mod& mod) {
-  static_assert(!is_half_storage_v<T>, "diff_attention_v2_backward: no 16-bit storage");
+    detail::nondeduced_view<compute_t<T>, 1> dsinks, const Mod& mod) {
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq,
                                                          dk, dv, dlambda_logit, options);
   detail::attach_dsinks("diff_attention_v2_backward", bp, dsinks);
@@ -175,9 +167,8 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<const compute_t<T>, 3> lse,
                         detail::nondeduced_view<const T, 4> dout, detail::nondeduced_view<T, 4> dq,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
-                        const AttentionOptions& options, detail::nondeduced_view<T, 1> dsinks,
-                        const Mod& mod) {
-  static_assert(!is_half_storage_v<T>, "attention_backward: no 16-bit storage");
+                        const AttentionOptions& options,
+                        detail::nondeduced_view<compute_t<T>, 1> dsinks, const Mod& mod) {
   detail::BackwardProblem<T> bp =
       detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options);
   detail::attach_dsinks("attention_backward", bp, dsinks);

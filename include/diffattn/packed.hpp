@@ -146,18 +146,15 @@ void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> v, detail::nondeduced_t<compute_t<T>> lambda,
     detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
-    detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv, T& dlambda,
+    detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv, compute_t<T>& dlambda,
     const PackedSequences& seqs, const AttentionOptions& options = {},
-    detail::nondeduced_view<T, 1> dsinks = {}) {
+    detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
-  detail::BackwardProblem<T> bp =
-      detail::backward_v1<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-                             &lambda, nullptr, detail::as_batch1(out), detail::as_batch1(lse),
-                             detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),
-                             detail::as_batch1(dv), TensorView<T, 1>(&dlambda, {1}), options, fn);
+  detail::BackwardProblem<T> bp = detail::backward_v1<T>(
+      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
+      detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
+      detail::as_batch1(dq), detail::as_batch1(dk), detail::as_batch1(dv),
+      TensorView<compute_t<T>, 1>(&dlambda, {1}), options, fn);
   detail::attach_packed(fn, bp.fwd, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
   detail::attach_dsinks(fn, bp, dsinks);
   detail::run_attention_backward(bp, options);
@@ -171,12 +168,9 @@ void diff_attention_v1_varlen_backward(
     detail::nondeduced_view<const T, 3> out, detail::nondeduced_view<const compute_t<T>, 2> lse,
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
-    detail::nondeduced_view<T, 1> dlambda, const PackedSequences& seqs,
-    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
+    detail::nondeduced_view<compute_t<T>, 1> dlambda, const PackedSequences& seqs,
+    const AttentionOptions& options = {}, detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v1_varlen_backward";
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v1_varlen_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v1<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
       detail::as_batch1(out), detail::as_batch1(lse), detail::as_batch1(dout),
@@ -195,11 +189,8 @@ void diff_attention_v2_varlen_backward(
     detail::nondeduced_view<const T, 3> dout, detail::nondeduced_view<T, 3> dq,
     detail::nondeduced_view<T, 3> dk, detail::nondeduced_view<T, 3> dv,
     detail::nondeduced_view<T, 2> dlambda_logit, const PackedSequences& seqs,
-    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
+    const AttentionOptions& options = {}, detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   constexpr const char* fn = "diff_attention_v2_varlen_backward";
-  static_assert(!is_half_storage_v<T>,
-                "diff_attention_v2_varlen_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_v2<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
       detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse),
@@ -218,11 +209,8 @@ void attention_varlen_backward(
     detail::nondeduced_view<const compute_t<T>, 2> lse, detail::nondeduced_view<const T, 3> dout,
     detail::nondeduced_view<T, 3> dq, detail::nondeduced_view<T, 3> dk,
     detail::nondeduced_view<T, 3> dv, const PackedSequences& seqs,
-    const AttentionOptions& options = {}, detail::nondeduced_view<T, 1> dsinks = {}) {
+    const AttentionOptions& options = {}, detail::nondeduced_view<compute_t<T>, 1> dsinks = {}) {
   constexpr const char* fn = "attention_varlen_backward";
-  static_assert(!is_half_storage_v<T>,
-                "attention_varlen_backward: no 16-bit storage; compute "
-                "gradients in float, on float copies of the inputs");
   detail::BackwardProblem<T> bp = detail::backward_plain<T>(
       detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), detail::as_batch1(out),
       detail::as_batch1(lse), detail::as_batch1(dout), detail::as_batch1(dq), detail::as_batch1(dk),

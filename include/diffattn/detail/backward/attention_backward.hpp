@@ -36,6 +36,8 @@
 #include "../core/validate.hpp"
 #include "../core/workspace.hpp"
 #include "../kernel/attention_kernel.hpp"
+#include "../kernel/bf16_dot.hpp"
+#include "../kernel/convert.hpp"
 #include "../kernel/dispatch.hpp"
 #include "../kernel/gemm.hpp"
 #include "../kernel/mask.hpp"
@@ -45,21 +47,26 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
+// Storage T: float, double, bfloat16 or half. Everything is computed in
+// C = compute_t<T> (float for 16-bit storage): q, k, v and dout are widened
+// where they are packed, dq, dk, dv (stored as T) and dlambda_logit rounded
+// once when written. dlambda, delta and dsinks are C, like lambda and lse.
 template <class T>
 struct BackwardProblem {
+  using C = compute_t<T>;
   AttentionProblem<T> fwd;         // the forward's arguments, out and lse (both read only)
   TensorView<const T, 4> dout;     // like out
   TensorView<T, 4> dq, dk, dv;     // like q, k, v
-  TensorView<T, 1> dlambda;        // v1: (1) for one lambda, (H) for one per head
+  TensorView<C, 1> dlambda;        // v1: (1) for one lambda, (H) for one per head
   TensorView<T, 3> dlambda_logit;  // v2: (B, N, H)
   // Plain attention over a subset of the keys (ring attention, split KV):
   // (B, Hq, N) D_i = dO_i . O_i with O the output over ALL keys, which the
   // row's dS = A o (dW - D) needs; lse is then the lse over all keys too.
   // Empty: D is computed from the keys at hand (they are all the keys).
-  TensorView<const T, 3> delta;
+  TensorView<const C, 3> delta;
   // Gradients of the sinks (options.sinks), (Hq), summed over batch and rows;
   // empty: not wanted.
-  TensorView<T, 1> dsinks;
+  TensorView<C, 1> dsinks;
 };
 
 template <class T>
@@ -72,15 +79,23 @@ struct BackwardWorkspace {
   ScratchBuffer<T> dq;                // dQ block
   ScratchBuffer<T> th[2];             // softcap: a row's tanh(s / cap) per map
   ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
+  // bf16 dot products (bfloat16 storage, bf16_dot.hpp): pairs of bf16 per
+  // word, in place of kt and vt (keys and values, score layout) and as the
+  // unscaled queries and dO of S = Q K^T and dW = dO V^T.
+  ScratchBuffer<std::uint32_t> kp[2], vp, qp[2], dop;
 
   void trim() {
     ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0],  &kc[1],  &vt,     &dkt[0], &dkt[1], &dvt,
                                &qs[0], &qs[1], &qst[0], &qst[1], &dout,   &doutt,  &s[0],   &s[1],
                                &s[2],  &dq,    &th[0],  &th[1],  &sin[0], &sin[1]};
+    ScratchBuffer<std::uint32_t>* words[] = {&kp[0], &kp[1], &vp, &qp[0], &qp[1], &dop};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
-    if (total > Workspace<T>::kRetainBytes)
+    for (auto* b : words) total += b->bytes();
+    if (total > Workspace<T>::kRetainBytes) {
       for (auto* b : all) b->release();
+      for (auto* b : words) b->release();
+    }
   }
 };
 
@@ -104,16 +119,17 @@ void transpose_padded(const T* src, index_t ld, index_t rows, index_t cols, inde
 /// block (query i, n keys from kb, its score rows at r[m] and dW at rw, as
 /// backward_group leaves them) becomes dS_m (with respect to the raw scores)
 /// and W; returns dlambda_i and adds the row's dsink_m to dsink[qh].
-template <class T, class Mod>
-T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t oh,
+template <class S, class Mod, class T = compute_t<S>>
+T backward_row_modified(const BackwardProblem<S>& bp, const SeqSpan& sq, index_t oh,
                         const HeadMap& hm, index_t i, index_t kb, index_t n, T* const* r, T* rw,
                         BackwardWorkspace<T>& ws, double* dsink, const Mod& mod) {
+  // (S: the storage type; T, here, the compute type.)
   constexpr bool kScore = has_score<Mod, T>::value, kVisible = has_visible<Mod>::value;
   static_assert(!kScore || has_dscore<Mod, T>::value,
                 "a score functor with `score` needs `dscore` (d score / d s) in a backward call");
   T* sin[2] = {nullptr, nullptr};
   using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-  const AttentionProblem<T>& p = bp.fwd;
+  const AttentionProblem<S>& p = bp.fwd;
   const int maps = p.maps();
   const index_t diag = (i - sq.q0) + sq.m - sq.n;
   ModCoords mc;  // the functor's b and i (packed: b the sequence)
@@ -185,13 +201,13 @@ T backward_row_modified(const BackwardProblem<T>& bp, const SeqSpan& sq, index_t
 /// the group, the sum over its rows of dlambda_i (V1 only); dsink (score
 /// modifiers, indexed by query head) the sum over its rows of each sink's
 /// gradient (may be null).
-template <class T, class Mod = NoScoreMod>
-void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, BackwardWorkspace<T>& ws,
+template <class T, class Mod = NoScoreMod, class C = compute_t<T>>
+void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, BackwardWorkspace<C>& ws,
                     double* dlambda_head, double* dsink = nullptr, const Mod& mod = Mod()) {
-  constexpr bool functor = is_active_mod<Mod, T>;
-  using Cfg = TileConfig<T>;
+  constexpr bool functor = is_active_mod<Mod, C>;
+  using Cfg = TileConfig<C>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
-  using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
   const AttentionProblem<T>& p = bp.fwd;
   const SeqSpan sq = p.seq(seq);
   const index_t N = sq.n, M = sq.m, d = p.head_dim, dv = p.value_dim;
@@ -205,26 +221,52 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   const index_t mpad = round_up(kend_all, NR);
   const index_t dpad_nr = round_up(d, NR), dpad_mr = round_up(d, MR), dvpad_mr = round_up(dv, MR);
 
+  // bfloat16 storage under AVX512-BF16: S = Q K^T and dW = dO V^T on bf16
+  // dot products (bf16_dot.hpp), keys and values packed as pairs along the
+  // depth, queries unscaled with the scale applied to each score (as the
+  // forward computes them); every input is exact, so each product is a float
+  // sum of the same exact products in another order. The other products take
+  // float operands (dS, W) and stay on the float micro-kernel.
+  constexpr bool dot = use_bf16_dot<T, T>;
+  const index_t dk = bf16_pairs(d), dvk = bf16_pairs(dv);
+
   // Packed keys and values of the group; zeroed accumulators.
-  T* kt[2] = {nullptr, nullptr};
-  T* kc[2] = {nullptr, nullptr};
-  T* dkt[2] = {nullptr, nullptr};
+  C* kt[2] = {nullptr, nullptr};
+  C* kc[2] = {nullptr, nullptr};
+  C* dkt[2] = {nullptr, nullptr};
+  std::uint32_t* kp[2] = {nullptr, nullptr};
   for (int m = 0; m < kbufs; ++m) {
-    kt[m] = ws.kt[m].get(std::max<index_t>(mpad * d, 1));
+    if constexpr (dot)
+      kp[m] = ws.kp[m].get(std::max<index_t>(mpad * dk, 1));
+    else
+      kt[m] = ws.kt[m].get(std::max<index_t>(mpad * d, 1));
     kc[m] = ws.kc[m].get(std::max<index_t>(kend_all * dpad_nr, 1));
     dkt[m] = ws.dkt[m].get(std::max<index_t>(dpad_mr * mpad, 1));
-    std::fill(dkt[m], dkt[m] + dpad_mr * mpad, T(0));
+    std::fill(dkt[m], dkt[m] + dpad_mr * mpad, C(0));
     if (kend_all > 0) {
       const T* src = &p.k(sq.b, sq.k0, hg.k[m], 0);
-      pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
+      if constexpr (dot)
+        pack_pairs_transposed_from(StridedRows<T>{src, p.k.stride(1)}, kend_all, d, kp[m]);
+      else
+        pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
       pack_cols(src, p.k.stride(1), kend_all, d, kc[m]);
     }
   }
-  T* vt = ws.vt.get(std::max<index_t>(mpad * dv, 1));
-  T* dvt = ws.dvt.get(std::max<index_t>(dvpad_mr * mpad, 1));
-  std::fill(dvt, dvt + dvpad_mr * mpad, T(0));
-  if (kend_all > 0)
-    pack_rows_transposed(&p.v(sq.b, sq.k0, hg.v, 0), p.v.stride(1), kend_all, dv, vt);
+  C* vt = nullptr;
+  std::uint32_t* vp = nullptr;
+  if constexpr (dot)
+    vp = ws.vp.get(std::max<index_t>(mpad * dvk, 1));
+  else
+    vt = ws.vt.get(std::max<index_t>(mpad * dv, 1));
+  C* dvt = ws.dvt.get(std::max<index_t>(dvpad_mr * mpad, 1));
+  std::fill(dvt, dvt + dvpad_mr * mpad, C(0));
+  if (kend_all > 0) {
+    const T* src = &p.v(sq.b, sq.k0, hg.v, 0);
+    if constexpr (dot)
+      pack_pairs_transposed_from(StridedRows<T>{src, p.v.stride(1)}, kend_all, dv, vp);
+    else
+      pack_rows_transposed(src, p.v.stride(1), kend_all, dv, vt);
+  }
 
   const index_t nblocks = (N + BM - 1) / BM;
   for (index_t oh = g * p.group; oh < (g + 1) * p.group; ++oh) {
@@ -245,37 +287,58 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       const index_t lds = std::max<index_t>(round_up(kend_block - kbase, NR), NR);
 
       // Scaled queries, their transpose; dO and its transpose.
-      T* qs[2] = {nullptr, nullptr};
-      T* qst[2] = {nullptr, nullptr};
+      C* qs[2] = {nullptr, nullptr};
+      C* qst[2] = {nullptr, nullptr};
+      std::uint32_t* qp[2] = {nullptr, nullptr};
       for (int m = 0; m < maps; ++m) {
         qs[m] = ws.qs[m].get(rows_pad * d);
         for (index_t ii = 0; ii < rows; ++ii) {
-          const T* src = &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
-          for (index_t t = 0; t < d; ++t) qs[m][ii * d + t] = p.scale * src[t];
+          C* dst = qs[m] + ii * d;
+          const C* row = row_as<C>(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, dst);
+          for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
         }
-        std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, T(0));
+        std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
         qst[m] = ws.qst[m].get(dpad_mr * rows_pad);
         transpose_padded(qs[m], d, rows, d, rows_pad, dpad_mr, qst[m]);
+        if constexpr (dot) {
+          qp[m] = ws.qp[m].get(rows_pad * dk);
+          for (index_t ii = 0; ii < rows; ++ii)
+            pack_query_pairs(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, qp[m] + ii * dk);
+          std::fill(qp[m] + rows * dk, qp[m] + rows_pad * dk, 0u);
+        }
       }
-      T* dob = ws.dout.get(rows_pad * dv);
+      C* dob = ws.dout.get(rows_pad * dv);
       for (index_t ii = 0; ii < rows; ++ii)
-        std::memcpy(dob + ii * dv, &bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0),
-                    static_cast<std::size_t>(dv) * sizeof(T));
-      std::fill(dob + rows * dv, dob + rows_pad * dv, T(0));
-      T* dobt = ws.doutt.get(dvpad_mr * rows_pad);
+        convert_row(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dob + ii * dv);
+      std::fill(dob + rows * dv, dob + rows_pad * dv, C(0));
+      C* dobt = ws.doutt.get(dvpad_mr * rows_pad);
       transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
+      std::uint32_t* dop = nullptr;
+      if constexpr (dot) {
+        dop = ws.dop.get(rows_pad * dvk);
+        for (index_t ii = 0; ii < rows; ++ii)
+          pack_query_pairs(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dop + ii * dvk);
+        std::fill(dop + rows * dvk, dop + rows_pad * dvk, 0u);
+      }
 
-      // Scores of each map and dW = dO V^T, tile by tile inside the band.
-      T* s[3] = {ws.s[0].get(rows_pad * lds), maps == 2 ? ws.s[1].get(rows_pad * lds) : nullptr,
+      // Scores of each map and dW = dO V^C, tile by tile inside the band.
+      C* s[3] = {ws.s[0].get(rows_pad * lds), maps == 2 ? ws.s[1].get(rows_pad * lds) : nullptr,
                  ws.s[2].get(rows_pad * lds)};
       for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
         for (index_t r = 0; r < tiles; ++r) {
           if (j0 >= tile_hi(r) || j0 + NR <= tile_lo(r)) continue;
           const index_t col = r * MR * lds + (j0 - kbase);
-          for (int m = 0; m < maps; ++m)
-            micro_kernel<T>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR, s[m] + col,
-                            lds, false);
-          micro_kernel<T>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
+          if constexpr (dot) {
+            for (int m = 0; m < maps; ++m)
+              micro_kernel_bf16(dk, qp[m] + r * MR * dk, dk, kp[shared_k ? 0 : m] + j0 * dk,
+                                s[m] + col, lds, p.scale);
+            micro_kernel_bf16(dvk, dop + r * MR * dvk, dvk, vp + j0 * dvk, s[2] + col, lds, 1.0f);
+          } else {
+            for (int m = 0; m < maps; ++m)
+              micro_kernel<C>(d, qs[m] + r * MR * d, d, kt[shared_k ? 0 : m] + j0 * d, NR,
+                              s[m] + col, lds, false);
+            micro_kernel<C>(dv, dob + r * MR * dv, dv, vt + j0 * dv, NR, s[2] + col, lds, false);
+          }
         }
       }
 
@@ -284,67 +347,67 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       for (index_t ii = 0; ii < rows; ++ii) {
         const index_t i = sq.q0 + i0 + ii, n = br.count(ii);
         const index_t off = n > 0 ? br.begin(ii) - kbase : 0;
-        T* r0 = s[0] + ii * lds + off;
-        T* rw = s[2] + ii * lds + off;
+        C* r0 = s[0] + ii * lds + off;
+        C* rw = s[2] + ii * lds + off;
         if (functor || p.modified) {
-          T* rows_m[2] = {r0, maps == 2 ? s[1] + ii * lds + off : nullptr};
-          const T dlambda_i =
+          C* rows_m[2] = {r0, maps == 2 ? s[1] + ii * lds + off : nullptr};
+          const C dlambda_i =
               backward_row_modified(bp, sq, oh, hm, i, br.begin(ii), n, rows_m, rw, ws, dsink, mod);
           if (maps == 2) {
             if (p.kind == AttnKind::v2) {
-              const T sg = row_lambda(p, sq.b, i, oh);
-              bp.dlambda_logit(sq.b, i, oh) = dlambda_i * sg * (T(1) - sg);
+              const C sg = row_lambda(p, sq.b, i, oh);
+              bp.dlambda_logit(sq.b, i, oh) = static_cast<T>(dlambda_i * sg * (C(1) - sg));
             } else {
               dlambda_sum += static_cast<double>(dlambda_i);
             }
           }
           for (int m = 0; m < 3; ++m) {
             if (!s[m]) continue;
-            T* row = s[m] + ii * lds;
-            std::fill(row, row + off, T(0));
-            std::fill(row + off + n, row + lds, T(0));
+            C* row = s[m] + ii * lds;
+            std::fill(row, row + off, C(0));
+            std::fill(row + off + n, row + lds, C(0));
           }
           continue;
         }
         ArrayMap a1(r0, n), dw(rw, n);
-        const T lse1 = p.lse(sq.b, hm.q[0], i);
-        if (lse1 == -std::numeric_limits<T>::infinity())
+        const C lse1 = p.lse(sq.b, hm.q[0], i);
+        if (lse1 == -std::numeric_limits<C>::infinity())
           a1.setZero();
         else {
           a1 -= lse1;
           a1 = a1.exp();
         }
         if (maps == 1) {
-          const T dsum = bp.delta.empty() ? T((a1 * dw).sum()) : bp.delta(sq.b, hm.q[0], i);
+          const C dsum = bp.delta.empty() ? C((a1 * dw).sum()) : bp.delta(sq.b, hm.q[0], i);
           for (index_t j = 0; j < n; ++j) {
-            const T x = r0[j];
+            const C x = r0[j];
             r0[j] = x * (rw[j] - dsum);  // dS
             rw[j] = x;                   // W = A
           }
         }
         if (maps == 2) {
-          T* r1 = s[1] + ii * lds + off;
+          C* r1 = s[1] + ii * lds + off;
           ArrayMap a2(r1, n);
-          const T lse2 = p.lse(sq.b, hm.q[1], i);
-          if (lse2 == -std::numeric_limits<T>::infinity())
+          const C lse2 = p.lse(sq.b, hm.q[1], i);
+          if (lse2 == -std::numeric_limits<C>::infinity())
             a2.setZero();
           else {
             a2 -= lse2;
             a2 = a2.exp();
           }
-          const T lambda = row_lambda(p, sq.b, i, oh);
-          const T d1 = (a1 * dw).sum();
-          const T e = (a2 * dw).sum();
-          const T dlambda_i = -e;
+          const C lambda = row_lambda(p, sq.b, i, oh);
+          const C d1 = (a1 * dw).sum();
+          const C e = (a2 * dw).sum();
+          const C dlambda_i = -e;
           if (p.kind == AttnKind::v2) {
-            const T sg = lambda;  // sigmoid(logit)
-            bp.dlambda_logit(sq.b, i, oh) = dlambda_i * sg * (T(1) - sg);
+            const C sg = lambda;  // sigmoid(logit)
+            bp.dlambda_logit(sq.b, i, oh) = static_cast<T>(dlambda_i * sg * (C(1) - sg));
           } else {
             dlambda_sum += static_cast<double>(dlambda_i);
           }
           // Order matters: read a1, a2, dw before overwriting them.
           for (index_t j = 0; j < n; ++j) {
-            const T x1 = r0[j], x2 = r1[j], g_ = rw[j];
+            const C x1 = r0[j], x2 = r1[j], g_ = rw[j];
             r0[j] = x1 * (g_ - d1);
             r1[j] = -lambda * x2 * (g_ - e);
             rw[j] = x1 - lambda * x2;
@@ -352,44 +415,44 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         }
         for (int m = 0; m < 3; ++m) {
           if (!s[m]) continue;
-          T* row = s[m] + ii * lds;
-          std::fill(row, row + off, T(0));
-          std::fill(row + off + n, row + lds, T(0));
+          C* row = s[m] + ii * lds;
+          std::fill(row, row + off, C(0));
+          std::fill(row + off + n, row + lds, C(0));
         }
       }
       for (int m = 0; m < 3; ++m)
-        if (s[m]) std::fill(s[m] + rows * lds, s[m] + rows_pad * lds, T(0));
+        if (s[m]) std::fill(s[m] + rows * lds, s[m] + rows_pad * lds, C(0));
 
       // dQ_m = s dS_m K_m over each tile's keys.
-      T* dqb = ws.dq.get(rows_pad * dpad_nr);
+      C* dqb = ws.dq.get(rows_pad * dpad_nr);
       for (int m = 0; m < maps; ++m) {
-        std::fill(dqb, dqb + rows_pad * dpad_nr, T(0));
-        const T* kcm = kc[shared_k ? 0 : m];
+        std::fill(dqb, dqb + rows_pad * dpad_nr, C(0));
+        const C* kcm = kc[shared_k ? 0 : m];
         for (index_t r = 0; r < tiles; ++r) {
           const index_t lo = std::max(tile_lo(r), kbase), hi = tile_hi(r);
           if (hi <= lo) continue;
           for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
-            micro_kernel<T>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
+            micro_kernel<C>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
                             kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0, dpad_nr,
                             false);
         }
         for (index_t ii = 0; ii < rows; ++ii) {
           T* dst = &bp.dq(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
-          for (index_t t = 0; t < d; ++t) dst[t] = p.scale * dqb[ii * dpad_nr + t];
+          for (index_t t = 0; t < d; ++t) dst[t] = static_cast<T>(p.scale * dqb[ii * dpad_nr + t]);
         }
       }
 
-      // dK_m^T += (s Q_m)^T dS_m and dV^T += dO^T W, key panel by key panel.
+      // dK_m^C += (s Q_m)^C dS_m and dV^C += dO^C W, key panel by key panel.
       for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
         const index_t col = j0 - kbase;
         for (int m = 0; m < maps; ++m) {
-          T* acc = dkt[shared_k ? 0 : m];
+          C* acc = dkt[shared_k ? 0 : m];
           for (index_t t0 = 0; t0 < dpad_mr; t0 += MR)
-            micro_kernel<T>(rows, qst[m] + t0 * rows_pad, rows_pad, s[m] + col, lds,
+            micro_kernel<C>(rows, qst[m] + t0 * rows_pad, rows_pad, s[m] + col, lds,
                             acc + t0 * mpad + j0, mpad, true);
         }
         for (index_t t0 = 0; t0 < dvpad_mr; t0 += MR)
-          micro_kernel<T>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + col, lds,
+          micro_kernel<C>(rows, dobt + t0 * rows_pad, rows_pad, s[2] + col, lds,
                           dvt + t0 * mpad + j0, mpad, true);
       }
     }
@@ -400,18 +463,21 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   for (int m = 0; m < kbufs; ++m) {
     for (index_t j = 0; j < M; ++j) {
       T* dst = &bp.dk(sq.b, sq.k0 + j, hg.k[m], 0);
-      for (index_t t = 0; t < d; ++t) dst[t] = j < kend_all ? dkt[m][t * mpad + j] : T(0);
+      for (index_t t = 0; t < d; ++t)
+        dst[t] = static_cast<T>(j < kend_all ? dkt[m][t * mpad + j] : C(0));
     }
   }
   for (index_t j = 0; j < M; ++j) {
     T* dst = &bp.dv(sq.b, sq.k0 + j, hg.v, 0);
-    for (index_t t = 0; t < dv; ++t) dst[t] = j < kend_all ? dvt[t * mpad + j] : T(0);
+    for (index_t t = 0; t < dv; ++t)
+      dst[t] = static_cast<T>(j < kend_all ? dvt[t * mpad + j] : C(0));
   }
 }
 
 template <class T, class Mod = NoScoreMod>
 void run_attention_backward_kernel(const BackwardProblem<T>& bp, const AttentionOptions& options,
                                    const Mod& mod = Mod()) {
+  using C = compute_t<T>;
   const AttentionProblem<T>& p = bp.fwd;
   const index_t groups = p.heads / p.group;
   const index_t seqs = p.num_seqs();
@@ -441,31 +507,31 @@ void run_attention_backward_kernel(const BackwardProblem<T>& bp, const Attention
       const index_t sq = t / groups, g = t % groups;
       double* parts =
           p.kind == AttnKind::v1 ? dlambda_parts.data() + sq * p.heads + g * p.group : nullptr;
-      backward_group(bp, sq, g, thread_backward_workspace<T>(), parts,
+      backward_group(bp, sq, g, thread_backward_workspace<C>(), parts,
                      want_dsinks ? dsink_parts.data() + sq * qheads : nullptr, mod);
     };
     parallel_tasks(tasks, resolve_threads(options.num_threads, tasks, attention_work(p)), run_task,
-                   [] { thread_backward_workspace<T>().trim(); });
+                   [] { thread_backward_workspace<C>().trim(); });
   }
   if (want_dsinks) {
     for (index_t h = 0; h < qheads; ++h) {
       double total = 0;
       for (index_t sq = 0; sq < seqs; ++sq)
         total += dsink_parts[static_cast<std::size_t>(sq * qheads + h)];
-      bp.dsinks(h) = static_cast<T>(total);
+      bp.dsinks(h) = static_cast<C>(total);
     }
   }
   if (p.kind == AttnKind::v1) {
     if (bp.dlambda.shape(0) == 1) {
       double total = 0;
       for (double x : dlambda_parts) total += x;
-      bp.dlambda(0) = static_cast<T>(total);
+      bp.dlambda(0) = static_cast<C>(total);
     } else {
       for (index_t h = 0; h < p.heads; ++h) {
         double total = 0;
         for (index_t sq = 0; sq < seqs; ++sq)
           total += dlambda_parts[static_cast<std::size_t>(sq * p.heads + h)];
-        bp.dlambda(h) = static_cast<T>(total);
+        bp.dlambda(h) = static_cast<C>(total);
       }
     }
   }
@@ -555,7 +621,8 @@ void validate_backward(const char* fn, BackwardProblem<T>& bp) {
 
 /// Attaches the optional gradient of the sinks, (Hq): only with options.sinks.
 template <class T>
-void attach_dsinks(const char* fn, BackwardProblem<T>& bp, const TensorView<T, 1>& dsinks) {
+void attach_dsinks(const char* fn, BackwardProblem<T>& bp,
+                   const TensorView<compute_t<T>, 1>& dsinks) {
   if (dsinks.empty()) return;  // (a (0) view as well: not wanted)
   if (bp.fwd.sinks.empty())
     fail(fn, "dsinks ", shape_str(dsinks.shape()),
@@ -577,12 +644,12 @@ auto forward_checks(const char* fn, F&& f) -> decltype(f()) {
 
 template <class T>
 BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> k,
-                               TensorView<const T, 4> v, const T* lambda,
-                               const TensorView<const T, 1>* lambda_heads,
-                               TensorView<const T, 4> out, TensorView<const T, 3> lse,
+                               TensorView<const T, 4> v, const compute_t<T>* lambda,
+                               const TensorView<const compute_t<T>, 1>* lambda_heads,
+                               TensorView<const T, 4> out, TensorView<const compute_t<T>, 3> lse,
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
-                               TensorView<T, 4> dk, TensorView<T, 4> dv, TensorView<T, 1> dlambda,
-                               const AttentionOptions& options,
+                               TensorView<T, 4> dk, TensorView<T, 4> dv,
+                               TensorView<compute_t<T>, 1> dlambda, const AttentionOptions& options,
                                const char* fn = "diff_attention_v1_backward") {
   BackwardProblem<T> bp;
   bp.fwd = forward_checks(fn, [&] {
@@ -601,7 +668,7 @@ BackwardProblem<T> backward_v1(TensorView<const T, 4> q, TensorView<const T, 4> 
 template <class T>
 BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                TensorView<const T, 4> v, TensorView<const T, 3> lambda_logit,
-                               TensorView<const T, 4> out, TensorView<const T, 3> lse,
+                               TensorView<const T, 4> out, TensorView<const compute_t<T>, 3> lse,
                                TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                TensorView<T, 4> dk, TensorView<T, 4> dv,
                                TensorView<T, 3> dlambda_logit, const AttentionOptions& options,
@@ -623,8 +690,9 @@ BackwardProblem<T> backward_v2(TensorView<const T, 4> q, TensorView<const T, 4> 
 template <class T>
 BackwardProblem<T> backward_plain(TensorView<const T, 4> q, TensorView<const T, 4> k,
                                   TensorView<const T, 4> v, TensorView<const T, 4> out,
-                                  TensorView<const T, 3> lse, TensorView<const T, 4> dout,
-                                  TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                  TensorView<const compute_t<T>, 3> lse,
+                                  TensorView<const T, 4> dout, TensorView<T, 4> dq,
+                                  TensorView<T, 4> dk, TensorView<T, 4> dv,
                                   const AttentionOptions& options,
                                   const char* fn = "attention_backward") {
   BackwardProblem<T> bp;

@@ -34,8 +34,8 @@
   X(::diffattn::bfloat16, std::int8_t) X(::diffattn::bfloat16, ::diffattn::float8_e4m3)  \
   X(::diffattn::half, std::int8_t) X(::diffattn::half, ::diffattn::float8_e4m3)
 
-// The storage types of the backward kernels (16-bit storage is refused there).
-#define DIFFATTN_BACKWARD_STORAGE(X) X(float) X(double)
+// The storage types of the backward kernels (q, k, v, out and dout share one).
+#define DIFFATTN_BACKWARD_STORAGE(X) X(float) X(double) X(::diffattn::bfloat16) X(::diffattn::half)
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
