@@ -42,12 +42,11 @@ struct LayerStepStats {
 /// layer takes) holds its own slice of the keys; cache.size() counts the
 /// tokens of that slice. Rotary positions are global: the first new token
 /// sits at the sum of every rank's cache.size(). The new tokens' keys and
-/// values go to one rank:
-///   - a decoding step (n = 1): the rank holding the fewest tokens, the
-///     lowest such rank on a tie, so the caches fill evenly;
-///   - a block of n > 1 tokens (a prefill chunk): the last rank, so that the
-///     block's keys are the last of the global sequence, where its causal
-///     mask among the new tokens needs them.
+/// values go to one rank: for a decoding step (n = 1) the rank holding the
+/// fewest tokens, the lowest such rank on a tie, so the caches fill evenly;
+/// for a block of n > 1 tokens (a prefill chunk) the last rank, so that the
+/// block's keys are the last of the global sequence, where its causal mask
+/// among the new tokens needs them.
 /// That rank needs room for them (else every rank throws and no cache
 /// changes). Collective over `comm`; x and the layer's parameters must be the
 /// same on every rank (q, built from them, is compared by hash).
