@@ -365,7 +365,8 @@ Tensor<T, R> gather(MPI_Comm comm, const Tensor<T, R>& local, Sharding sharding,
 /// on any rank throws diffattn::error on every rank, never a hang; so does a
 /// bad 8-bit scale met during the step (its status travels with the states).
 /// ALiBi with n > 1 new queries needs causal = true (or window_right = 0).
-/// `stats`, when given, receives what the call did on this rank.
+/// A communicator of one rank runs the single-process kernel itself. `stats`,
+/// when given, receives what the call did on this rank.
 /// @{
 
 /// Plain attention over sharded KV caches: the arguments of

@@ -319,6 +319,23 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
     }
     if (hi > lo) keys += static_cast<std::uint64_t>(hi - lo);
   }
+  std::uint64_t row =
+      static_cast<std::uint64_t>(p.k.shape(2) * p.head_dim + p.v.shape(2) * p.value_dim) *
+      sizeof(KV);
+  if (is_8bit_storage_v<KV>) row += static_cast<std::uint64_t>(p.k.shape(2) + p.v.shape(2)) * 4;
+  auto finish_stats = [&](std::uint64_t state_bytes) {
+    if (!stats) return;
+    stats->seconds = mpi_now() - t0;
+    stats->comm_seconds = comm_s;
+    stats->state_bytes = state_bytes;
+    stats->keys_read = keys;
+    stats->bytes_read = keys * row;
+  };
+  if (W == 1) {  // every key is local: the single-process kernel itself
+    run_kvcache(fn, p, options);
+    finish_stats(0);
+    return;
+  }
   // Local states, then one all-gather of (status, o, lse) per rank.
   const index_t lanes = p.heads * p.maps();
   const index_t o_elems = B * n * lanes * dv, l_elems = B * lanes * n;
@@ -395,17 +412,7 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
           for (int m = 0; m < maps; ++m)
             a.lse(b, h * maps + m, i) = l0[(b * lanes + h * maps + m) * n + i];
       }
-  if (stats) {
-    stats->seconds = mpi_now() - t0;
-    stats->comm_seconds = comm_s;
-    stats->state_bytes = static_cast<std::uint64_t>(per_rank) * sizeof(C);
-    stats->keys_read = keys;
-    std::uint64_t row =
-        static_cast<std::uint64_t>(p.k.shape(2) * p.head_dim + p.v.shape(2) * p.value_dim) *
-        sizeof(KV);
-    if (is_8bit_storage_v<KV>) row += static_cast<std::uint64_t>(p.k.shape(2) + p.v.shape(2)) * 4;
-    stats->bytes_read = keys * row;
-  }
+  finish_stats(static_cast<std::uint64_t>(per_rank) * sizeof(C));
 }
 
 /// Options without the causal check on the rank's own lengths (done on the
