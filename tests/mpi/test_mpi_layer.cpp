@@ -3,6 +3,9 @@
 // ranks; every step's y is checked against the single-process layer with one
 // cache, bitwise across ranks, and the caches' sizes against the append rule.
 // Prints "mpi_layer: <passed> passed, <failed> failed" (summed over the ranks).
+// First, so that the header is seen to compile on its own.
+#include <diffattn/mpi_layer.hpp>
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -14,7 +17,6 @@
 
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/module_v2.hpp>
-#include <diffattn/mpi_layer.hpp>
 
 using diffattn::index_t;
 using diffattn::Tensor;
