@@ -319,17 +319,18 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
     }
     if (hi > lo) keys += static_cast<std::uint64_t>(hi - lo);
   }
-  std::uint64_t row =
+  std::uint64_t row_bytes =
       static_cast<std::uint64_t>(p.k.shape(2) * p.head_dim + p.v.shape(2) * p.value_dim) *
       sizeof(KV);
-  if (is_8bit_storage_v<KV>) row += static_cast<std::uint64_t>(p.k.shape(2) + p.v.shape(2)) * 4;
+  if (is_8bit_storage_v<KV>)
+    row_bytes += static_cast<std::uint64_t>(p.k.shape(2) + p.v.shape(2)) * 4;
   auto finish_stats = [&](std::uint64_t state_bytes) {
     if (!stats) return;
     stats->seconds = mpi_now() - t0;
     stats->comm_seconds = comm_s;
     stats->state_bytes = state_bytes;
     stats->keys_read = keys;
-    stats->bytes_read = keys * row;
+    stats->bytes_read = keys * row_bytes;
   };
   if (W == 1) {  // every key is local: the single-process kernel itself
     run_kvcache(fn, p, options);
