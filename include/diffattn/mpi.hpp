@@ -19,7 +19,9 @@
 #include "config.hpp"
 #include "detail/core/traits.hpp"
 #include "detail/core/validate.hpp"
+#include "detail/mpi/mpi_decode.hpp"
 #include "detail/mpi/mpi_driver.hpp"
+#include "kvcache_attention.hpp"
 #include "lambda.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
@@ -537,6 +539,143 @@ template <class T, std::size_t R>
 Tensor<T, R> gather(MPI_Comm comm, const Tensor<T, R>& local, Sharding sharding, int root = 0,
                     std::size_t axis = 1) {
   return gather(comm, local.view(), sharding, root, axis);
+}
+
+/// @}
+
+/// \defgroup mpi_decode Sharded decoding over MPI
+///
+/// The *_kvcache kernels (kvcache_attention.hpp) over caches split across the
+/// W ranks of `comm`: each rank holds a contiguous slice of every sequence's
+/// keys, and the slices of ranks 0, 1, ..., W - 1 in rank order make up the
+/// whole cache. Rank r's KVCacheBatch describes its own slice (contiguous or
+/// paged, any storage the single-process kernels take, 8-bit scales
+/// included); its cache_seqlens(b) are its own keys of sequence b, and may be
+/// 0. q, lambda (V1), lambda_logit (V2) and the options are the same on every
+/// rank. out and lse come back on every rank, bitwise the same on all of them
+/// and for any thread count, and equal to the single-process kernel on the
+/// concatenated cache to rounding.
+///
+/// Positions are global: rank r's keys of sequence b start at the sum of the
+/// lower ranks' cache_seqlens(b) (exchanged once per call), the new queries
+/// are the last n of the M_b = sum over ranks keys, and the causal mask, the
+/// windows and ALiBi use these positions. A rank reads only the keys of its
+/// slice that some query sees (none when its slice lies wholly outside a
+/// window). Sinks count once, after the merge.
+///
+/// Algorithm (tree attention): each rank runs the single-process kvcache
+/// kernel on its slice as plain softmax maps (V2 as GQA with 2H query heads,
+/// which reads each K/V row once as the fused kernel does; V1 one call per map,
+/// so its 2d-wide values are read twice), in the compute type. The per-map
+/// states (o, lse), B n 2H (dv + 1) numbers per rank, go to every rank in one
+/// MPI_Allgather, and every rank merges them in rank order with the same
+/// arithmetic (merge_states), then applies the sinks and subtracts lambda.
+/// Among the collectives measured (docs/mpi.md) the all-gather was as fast as
+/// an MPI_Allreduce with a user operation on the packed states and faster
+/// than a reduce-scatter + all-gather at decoding's state sizes, and it alone
+/// fixes the merge order on every rank, which gives bitwise-equal results.
+///
+/// Collective. Errors: each rank first runs the single-process checks on its
+/// slice (shapes, lengths within capacity, block tables, scales); one
+/// MPI_Allgather then compares the shapes, the storage types, the options, a
+/// hash of q and of lambda across the ranks. A bad argument or a disagreement
+/// on any rank throws diffattn::error on every rank, never a hang; so does a
+/// bad 8-bit scale met during the step (its status travels with the states).
+/// ALiBi with n > 1 new queries needs causal = true (or window_right = 0).
+/// A communicator of one rank runs the single-process kernel itself. `stats`,
+/// when given, receives what the call did on this rank.
+/// @{
+
+/// Plain attention over sharded KV caches: the arguments of
+/// diffattn::attention_kvcache with `comm` first, `shard` the rank's slice.
+///   q (B, n, Hq, d), k_cache / v_cache the rank's slice (contiguous or paged),
+///   out (B, n, Hq, dv), lse (B, Hq, n) or empty.
+template <class T, class KV = T>
+void attention_kvcache(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                       detail::nondeduced_view<const KV, 4> k_cache,
+                       detail::nondeduced_view<const KV, 4> v_cache,
+                       detail::nondeduced_view<T, 4> out,
+                       detail::nondeduced_view<compute_t<T>, 3> lse, const KVCacheBatch& shard,
+                       const AttentionOptions& options = {}, DecodeStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::attention_kvcache";
+  const detail::ShardArgs<T, KV> a{q, k_cache, v_cache, out, lse, &shard};
+  detail::sharded_kvcache_call<T, KV>(comm, fn, a, options, stats, [&] {
+    const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, shard);
+    auto p = detail::validate_plain<T, KV>(q, kv[0], kv[1], out, lse, options, fn);
+    detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, shard,
+                                  detail::shard_local_options(options));
+    return p;
+  });
+}
+
+/// diff_attention_v1_kvcache over sharded KV caches; one lambda for every
+/// head, the same on every rank.
+///   q (B, n, 2H, d), k_cache (.., 2Hkv, d), v_cache (.., Hkv, 2d) the rank's
+///   slice, out (B, n, H, 2d), lse (B, 2H, n) or empty.
+template <class T, class KV = T>
+void diff_attention_v1_kvcache(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_t<compute_t<T>> lambda,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
+                               const KVCacheBatch& shard, const AttentionOptions& options = {},
+                               DecodeStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_kvcache";
+  const detail::ShardArgs<T, KV> a{q, k_cache, v_cache, out, lse, &shard};
+  detail::sharded_kvcache_call<T, KV>(comm, fn, a, options, stats, [&] {
+    const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, shard);
+    auto p = detail::validate_v1<T, KV>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
+    detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, shard,
+                                  detail::shard_local_options(options));
+    return p;
+  });
+}
+
+/// diff_attention_v1_kvcache over sharded KV caches with one lambda per DIFF
+/// head, lambda (H), the same on every rank.
+template <class T, class KV = T>
+void diff_attention_v1_kvcache(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_view<const compute_t<T>, 1> lambda,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
+                               const KVCacheBatch& shard, const AttentionOptions& options = {},
+                               DecodeStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1_kvcache";
+  const detail::ShardArgs<T, KV> a{q, k_cache, v_cache, out, lse, &shard};
+  detail::sharded_kvcache_call<T, KV>(comm, fn, a, options, stats, [&] {
+    const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, shard);
+    auto p = detail::validate_v1<T, KV>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
+    detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, shard,
+                                  detail::shard_local_options(options));
+    return p;
+  });
+}
+
+/// diff_attention_v2_kvcache over sharded KV caches.
+///   q (B, n, 2H, d), k_cache (.., Hkv, d), v_cache (.., Hkv, dv) the rank's
+///   slice, lambda_logit (B, n, H) the same on every rank, out (B, n, H, dv),
+///   lse (B, 2H, n) or empty.
+template <class T, class KV = T>
+void diff_attention_v2_kvcache(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
+                               detail::nondeduced_view<const KV, 4> k_cache,
+                               detail::nondeduced_view<const KV, 4> v_cache,
+                               detail::nondeduced_view<const T, 3> lambda_logit,
+                               detail::nondeduced_view<T, 4> out,
+                               detail::nondeduced_view<compute_t<T>, 3> lse,
+                               const KVCacheBatch& shard, const AttentionOptions& options = {},
+                               DecodeStats* stats = nullptr) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v2_kvcache";
+  const detail::ShardArgs<T, KV> a{q, k_cache, v_cache, out, lse, &shard};
+  detail::sharded_kvcache_call<T, KV>(comm, fn, a, options, stats, [&] {
+    const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, shard);
+    auto p = detail::validate_v2<T, KV>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
+    detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, shard,
+                                  detail::shard_local_options(options));
+    return p;
+  });
 }
 
 /// @}
