@@ -229,6 +229,20 @@ void run_kvcache(const char* fn, AttentionProblem<T, KV>& p, const AttentionOpti
   }
 }
 
+/// The kvcache entry points' one prologue: checks the views against the
+/// cache, `validate(k, v)` on the views it gives makes the problem, the cache
+/// is attached, and the problem runs with `mod` (run_kvcache).
+template <class T, class KV, class Mod, class Validate>
+void kvcache_call(const char* fn, const TensorView<const T, 4>& q,
+                  const TensorView<const KV, 4>& k_cache, const TensorView<const KV, 4>& v_cache,
+                  const KVCacheBatch& cache, const AttentionOptions& options, const Mod& mod,
+                  const Validate& validate) {
+  const auto kv = kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
+  AttentionProblem<T, KV> p = validate(kv[0], kv[1]);
+  attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
+  run_kvcache(fn, p, options, mod);
+}
+
 }  // namespace detail
 
 /// \defgroup kvcache Attention over KV caches
@@ -288,12 +302,8 @@ void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
                                detail::nondeduced_view<T, 4> out,
                                detail::nondeduced_view<compute_t<T>, 3> lse,
                                const KVCacheBatch& cache, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v1<T, KV>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options);
+  diff_attention_v1_kvcache<T, KV>(q, k_cache, v_cache, lambda, out, lse, cache, options,
+                                   NoScoreMod{});
 }
 
 /// diff_attention_v1 over KV caches; one lambda per DIFF head, lambda (H).
@@ -305,12 +315,8 @@ void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
                                detail::nondeduced_view<T, 4> out,
                                detail::nondeduced_view<compute_t<T>, 3> lse,
                                const KVCacheBatch& cache, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v1<T, KV>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options);
+  diff_attention_v1_kvcache<T, KV>(q, k_cache, v_cache, lambda, out, lse, cache, options,
+                                   NoScoreMod{});
 }
 
 /// diff_attention_v2 over KV caches.
@@ -325,12 +331,8 @@ void diff_attention_v2_kvcache(detail::nondeduced_view<const T, 4> q,
                                detail::nondeduced_view<T, 4> out,
                                detail::nondeduced_view<compute_t<T>, 3> lse,
                                const KVCacheBatch& cache, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v2_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v2<T, KV>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options);
+  diff_attention_v2_kvcache<T, KV>(q, k_cache, v_cache, lambda_logit, out, lse, cache, options,
+                                   NoScoreMod{});
 }
 
 /// Plain attention over KV caches.
@@ -343,12 +345,7 @@ void attention_kvcache(detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 4> out,
                        detail::nondeduced_view<compute_t<T>, 3> lse, const KVCacheBatch& cache,
                        const AttentionOptions& options = {}) {
-  constexpr const char* fn = "attention_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_plain<T, KV>(q, kv[0], kv[1], out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options);
+  attention_kvcache<T, KV>(q, k_cache, v_cache, out, lse, cache, options, NoScoreMod{});
 }
 
 /// \name With a user score functor
@@ -372,11 +369,10 @@ void diff_attention_v1_kvcache(
     detail::nondeduced_view<T, 4> out, detail::nondeduced_view<compute_t<T>, 3> lse,
     const KVCacheBatch& cache, const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v1<T, KV>(q, kv[0], kv[1], &lambda, nullptr, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options, mod);
+  detail::kvcache_call<T, KV>(
+      fn, q, k_cache, v_cache, cache, options, mod, [&](const auto& k, const auto& v) {
+        return detail::validate_v1<T, KV>(q, k, v, &lambda, nullptr, out, lse, options, fn);
+      });
 }
 
 /// diff_attention_v1_kvcache (lambda per DIFF head, (H)) with a user score functor `mod`.
@@ -390,11 +386,10 @@ void diff_attention_v1_kvcache(detail::nondeduced_view<const T, 4> q,
                                const KVCacheBatch& cache, const AttentionOptions& options,
                                const Mod& mod) {
   constexpr const char* fn = "diff_attention_v1_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v1<T, KV>(q, kv[0], kv[1], nullptr, &lambda, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options, mod);
+  detail::kvcache_call<T, KV>(
+      fn, q, k_cache, v_cache, cache, options, mod, [&](const auto& k, const auto& v) {
+        return detail::validate_v1<T, KV>(q, k, v, nullptr, &lambda, out, lse, options, fn);
+      });
 }
 
 /// diff_attention_v2_kvcache with a user score functor `mod`.
@@ -405,11 +400,10 @@ void diff_attention_v2_kvcache(
     detail::nondeduced_view<T, 4> out, detail::nondeduced_view<compute_t<T>, 3> lse,
     const KVCacheBatch& cache, const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "diff_attention_v2_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_v2<T, KV>(q, kv[0], kv[1], lambda_logit, out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options, mod);
+  detail::kvcache_call<T, KV>(
+      fn, q, k_cache, v_cache, cache, options, mod, [&](const auto& k, const auto& v) {
+        return detail::validate_v2<T, KV>(q, k, v, lambda_logit, out, lse, options, fn);
+      });
 }
 
 /// attention_kvcache (plain softmax) with a user score functor `mod`.
@@ -421,11 +415,10 @@ void attention_kvcache(detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<compute_t<T>, 3> lse, const KVCacheBatch& cache,
                        const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "attention_kvcache";
-  const auto kv = detail::kvcache_check_views<T, KV>(fn, q, k_cache, v_cache, cache);
-  detail::AttentionProblem<T, KV> p =
-      detail::validate_plain<T, KV>(q, kv[0], kv[1], out, lse, options, fn);
-  detail::attach_kvcache<T, KV>(fn, p, k_cache, v_cache, cache, options);
-  detail::run_kvcache(fn, p, options, mod);
+  detail::kvcache_call<T, KV>(
+      fn, q, k_cache, v_cache, cache, options, mod, [&](const auto& k, const auto& v) {
+        return detail::validate_plain<T, KV>(q, k, v, out, lse, options, fn);
+      });
 }
 /// @}
 

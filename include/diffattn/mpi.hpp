@@ -96,10 +96,7 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_t<T> lambda, detail::nondeduced_view<T, 4> out,
                        detail::nondeduced_view<T, 3> lse, const AttentionOptions& options = {},
                        Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn);
-  });
+  diff_attention_v1<T>(comm, q, k, v, lambda, out, lse, options, NoScoreMod{}, sharding, stats);
 }
 
 /// diff_attention_v1 with one lambda per DIFF head: lambda (H), the same on
@@ -111,10 +108,7 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                        RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn);
-  });
+  diff_attention_v1<T>(comm, q, k, v, lambda, out, lse, options, NoScoreMod{}, sharding, stats);
 }
 
 /// Differential attention V2 over a sequence sharded across the ranks:
@@ -130,10 +124,8 @@ void diff_attention_v2(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                        RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v2";
-  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::validate_v2<T>(q, k, v, lambda_logit, out, lse, options, fn);
-  });
+  diff_attention_v2<T>(comm, q, k, v, lambda_logit, out, lse, options, NoScoreMod{}, sharding,
+                       stats);
 }
 
 /// Plain softmax attention with GQA over a sequence sharded across the ranks:
@@ -148,10 +140,7 @@ void attention(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::attention";
-  detail::ring_forward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::validate_plain<T>(q, k, v, out, lse, options, fn);
-  });
+  attention<T>(comm, q, k, v, out, lse, options, NoScoreMod{}, sharding, stats);
 }
 
 /// \name With a user score functor
@@ -240,10 +229,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv, T& dlambda,
     const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
     RingStats* stats = nullptr) {
-  T dl = 0;
-  detail::ring_v1_backward<T>(comm, q, k, v, &lambda, nullptr, out, lse, dout, dq, dk, dv,
-                              TensorView<T, 1>(&dl, {1}), options, sharding, stats);
-  dlambda = dl;
+  diff_attention_v1_backward<T>(comm, q, k, v, lambda, out, lse, dout, dq, dk, dv, dlambda, options,
+                                TensorView<T, 1>(), NoScoreMod{}, sharding, stats);
 }
 
 /// Backward of mpi::diff_attention_v1 with one lambda per DIFF head: dlambda
@@ -258,8 +245,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options = {},
     Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
-  detail::ring_v1_backward<T>(comm, q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
-                              options, sharding, stats);
+  diff_attention_v1_backward<T>(comm, q, k, v, lambda, out, lse, dout, dq, dk, dv, dlambda, options,
+                                TensorView<T, 1>(), NoScoreMod{}, sharding, stats);
 }
 
 /// Backward of mpi::diff_attention_v2: arguments as
@@ -274,11 +261,9 @@ void diff_attention_v2_backward(
     detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
     detail::nondeduced_view<T, 3> dlambda_logit, const AttentionOptions& options = {},
     Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v2_backward";
-  detail::ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::backward_v2<T>(q, k, v, lambda_logit, out, lse, dout, dq, dk, dv, dlambda_logit,
-                                  options, fn);
-  });
+  diff_attention_v2_backward<T>(comm, q, k, v, lambda_logit, out, lse, dout, dq, dk, dv,
+                                dlambda_logit, options, TensorView<T, 1>(), NoScoreMod{}, sharding,
+                                stats);
 }
 
 /// Backward of mpi::attention: arguments as diffattn::attention_backward,
@@ -293,10 +278,8 @@ void attention_backward(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                         detail::nondeduced_view<T, 4> dk, detail::nondeduced_view<T, 4> dv,
                         const AttentionOptions& options = {}, Sharding sharding = Sharding::zigzag,
                         RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::attention_backward";
-  detail::ring_backward_call<T>(comm, fn, options, sharding, stats, [&] {
-    return detail::backward_plain<T>(q, k, v, out, lse, dout, dq, dk, dv, options, fn);
-  });
+  attention_backward<T>(comm, q, k, v, out, lse, dout, dq, dk, dv, options, TensorView<T, 1>(),
+                        NoScoreMod{}, sharding, stats);
 }
 
 /// \name Backward with the gradient of the sinks, or a user functor
@@ -349,8 +332,8 @@ void diff_attention_v1_backward(
     detail::nondeduced_view<T, 1> dlambda, const AttentionOptions& options,
     detail::nondeduced_view<T, 1> dsinks, Sharding sharding = Sharding::zigzag,
     RingStats* stats = nullptr) {
-  detail::ring_v1_backward<T>(comm, q, k, v, nullptr, &lambda, out, lse, dout, dq, dk, dv, dlambda,
-                              options, sharding, stats, dsinks);
+  diff_attention_v1_backward<T>(comm, q, k, v, lambda, out, lse, dout, dq, dk, dv, dlambda, options,
+                                dsinks, NoScoreMod{}, sharding, stats);
 }
 
 /// mpi::diff_attention_v1_backward (lambda per DIFF head) with dsinks and the forward's functor

@@ -56,6 +56,23 @@ struct PackedSequences {
   }
 };
 
+namespace detail {
+/// The packed forward entry points' one prologue: `validate(q, k, v, out,
+/// lse)` checks the (1, T, H, D) views and gives the problem, the offsets are
+/// attached, and the problem runs with `mod` (NoScoreMod: run_attention's
+/// dispatched way).
+template <class T, class Mod, class Validate>
+void run_varlen(const char* fn, const TensorView<const T, 3>& q, const TensorView<const T, 3>& k,
+                const TensorView<const T, 3>& v, const TensorView<T, 3>& out,
+                const TensorView<compute_t<T>, 2>& lse, const PackedSequences& seqs,
+                const AttentionOptions& options, const Mod& mod, const Validate& validate) {
+  AttentionProblem<T> p =
+      validate(as_batch1(q), as_batch1(k), as_batch1(v), as_batch1(out), as_batch1(lse));
+  attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
+  run_attention(p, options, mod);
+}
+}  // namespace detail
+
 /// \defgroup packed Packed (variable-length) batches
 ///
 /// The kernels of attention.hpp and attention_backward.hpp over a packed
@@ -82,12 +99,7 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<T, 3> out,
                               detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v1<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
-      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options);
+  diff_attention_v1_varlen<T>(q, k, v, lambda, out, lse, seqs, options, NoScoreMod{});
 }
 
 /// diff_attention_v1 over a packed batch; one lambda per DIFF head, lambda (H).
@@ -99,12 +111,7 @@ void diff_attention_v1_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<T, 3> out,
                               detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v1<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
-      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options);
+  diff_attention_v1_varlen<T>(q, k, v, lambda, out, lse, seqs, options, NoScoreMod{});
 }
 
 /// diff_attention_v2 over a packed batch; lambda_logit (T_q, H).
@@ -116,12 +123,7 @@ void diff_attention_v2_varlen(detail::nondeduced_view<const T, 3> q,
                               detail::nondeduced_view<T, 3> out,
                               detail::nondeduced_view<compute_t<T>, 2> lse,
                               const PackedSequences& seqs, const AttentionOptions& options = {}) {
-  constexpr const char* fn = "diff_attention_v2_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v2<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-      detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options);
+  diff_attention_v2_varlen<T>(q, k, v, lambda_logit, out, lse, seqs, options, NoScoreMod{});
 }
 
 /// Plain attention over a packed batch.
@@ -130,12 +132,7 @@ void attention_varlen(detail::nondeduced_view<const T, 3> q, detail::nondeduced_
                       detail::nondeduced_view<const T, 3> v, detail::nondeduced_view<T, 3> out,
                       detail::nondeduced_view<compute_t<T>, 2> lse, const PackedSequences& seqs,
                       const AttentionOptions& options = {}) {
-  constexpr const char* fn = "attention_varlen";
-  detail::AttentionProblem<T> p =
-      detail::validate_plain<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-                                detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options);
+  attention_varlen<T>(q, k, v, out, lse, seqs, options, NoScoreMod{});
 }
 
 /// Backward of diff_attention_v1_varlen with one lambda: dq, dk, dv shaped as
@@ -237,11 +234,11 @@ void diff_attention_v1_varlen(
     detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
     const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v1<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), &lambda, nullptr,
-      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options, mod);
+  detail::run_varlen<T>(fn, q, k, v, out, lse, seqs, options, mod,
+                        [&](auto q4, auto k4, auto v4, auto out4, auto lse4) {
+                          return detail::validate_v1<T>(q4, k4, v4, &lambda, nullptr, out4, lse4,
+                                                        options, fn);
+                        });
 }
 
 /// diff_attention_v1_varlen (lambda per DIFF head, (H)) with a user score functor `mod`.
@@ -252,11 +249,11 @@ void diff_attention_v1_varlen(
     detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
     const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "diff_attention_v1_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v1<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v), nullptr, &lambda,
-      detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options, mod);
+  detail::run_varlen<T>(fn, q, k, v, out, lse, seqs, options, mod,
+                        [&](auto q4, auto k4, auto v4, auto out4, auto lse4) {
+                          return detail::validate_v1<T>(q4, k4, v4, nullptr, &lambda, out4, lse4,
+                                                        options, fn);
+                        });
 }
 
 /// diff_attention_v2_varlen with a user score functor `mod`.
@@ -267,11 +264,11 @@ void diff_attention_v2_varlen(
     detail::nondeduced_view<T, 3> out, detail::nondeduced_view<compute_t<T>, 2> lse,
     const PackedSequences& seqs, const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "diff_attention_v2_varlen";
-  detail::AttentionProblem<T> p = detail::validate_v2<T>(
-      detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-      detail::as_batch1(lambda_logit), detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options, mod);
+  detail::run_varlen<T>(fn, q, k, v, out, lse, seqs, options, mod,
+                        [&](auto q4, auto k4, auto v4, auto out4, auto lse4) {
+                          return detail::validate_v2<T>(q4, k4, v4, detail::as_batch1(lambda_logit),
+                                                        out4, lse4, options, fn);
+                        });
 }
 
 /// attention_varlen (plain softmax) with a user score functor `mod`.
@@ -281,11 +278,10 @@ void attention_varlen(detail::nondeduced_view<const T, 3> q, detail::nondeduced_
                       detail::nondeduced_view<compute_t<T>, 2> lse, const PackedSequences& seqs,
                       const AttentionOptions& options, const Mod& mod) {
   constexpr const char* fn = "attention_varlen";
-  detail::AttentionProblem<T> p =
-      detail::validate_plain<T>(detail::as_batch1(q), detail::as_batch1(k), detail::as_batch1(v),
-                                detail::as_batch1(out), detail::as_batch1(lse), options, fn);
-  detail::attach_packed(fn, p, seqs.cu_seqlens_q, seqs.cu_seqlens_k);
-  detail::run_attention(p, options, mod);
+  detail::run_varlen<T>(fn, q, k, v, out, lse, seqs, options, mod,
+                        [&](auto q4, auto k4, auto v4, auto out4, auto lse4) {
+                          return detail::validate_plain<T>(q4, k4, v4, out4, lse4, options, fn);
+                        });
 }
 
 /// diff_attention_v1_varlen_backward (one lambda) with the forward's functor `mod`.
