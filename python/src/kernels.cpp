@@ -51,12 +51,13 @@ std::array<index_t, R> shape_of(const TensorView<const T, R>& t) {
 }
 
 /// What every backward binding takes and gives: views of q, k, v, out (rank
-/// R), lse (rank R - 1) and dout, and dq, dk, dv (the arrays given, or new
-/// ones of q's, k's and v's shapes) with views over them.
+/// R), lse (rank R - 1, compute_t<T>: float for 16-bit storage) and dout, and
+/// dq, dk, dv (the arrays given, or new ones of q's, k's and v's shapes, in
+/// T) with views over them.
 template <class T, std::size_t R>
 struct BackwardArgs {
   TensorView<const T, R> q, k, v, out;
-  TensorView<const T, R - 1> lse;
+  TensorView<const compute_t<T>, R - 1> lse;
   TensorView<const T, R> dout;
   py::array dq, dk, dv;
   TensorView<T, R> dqv, dkv, dvv;
@@ -69,7 +70,7 @@ struct BackwardArgs {
         k(view_of<const T, R>(fn, "k", k_)),
         v(view_of<const T, R>(fn, "v", v_)),
         out(view_of<const T, R>(fn, "out", out_)),
-        lse(view_of<const T, R - 1>(fn, "lse", lse_)),
+        lse(view_of<const compute_t<T>, R - 1>(fn, "lse", lse_)),
         dout(view_of<const T, R>(fn, "dout", dout_)),
         dq(output<T, R>(fn, "dq", dq_, q.shape())),
         dk(output<T, R>(fn, "dk", dk_, k.shape())),
@@ -217,25 +218,26 @@ void bind_backward(py::module_& m) {
                         lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
+          using C = compute_t<T>;
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
-          const Lambda l = lambda_arg<T>(fn, lam);
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
+                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
+          const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
-            T dl = 0;
+            C dl = 0;
             {
               py::gil_scoped_release nogil;
-              diffattn::diff_attention_v1_backward<T>(a.q, a.k, a.v, static_cast<T>(l.value), a.out,
+              diffattn::diff_attention_v1_backward<T>(a.q, a.k, a.v, static_cast<C>(l.value), a.out,
                                                       a.lse, a.dout, a.dqv, a.dkv, a.dvv, dl, o,
                                                       dsv);
             }
             return py::make_tuple(a.dq, a.dk, a.dv, py::float_(static_cast<double>(dl)));
           }
-          const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
-          py::array dl = new_array<T, 1>(lh.shape());
-          const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
+          const auto lh = view_of<const C, 1>(fn, "lambda_", l.per_head);
+          py::array dl = new_array<C, 1>(lh.shape());
+          const auto dlv = view_of<C, 1>(fn, "dlambda", dl);
           {
             py::gil_scoped_release nogil;
             diffattn::diff_attention_v1_backward<T>(a.q, a.k, a.v, lh, a.out, a.lse, a.dout, a.dqv,
@@ -250,8 +252,9 @@ void bind_backward(py::module_& m) {
       R"doc(Backward of diff_attention_v1: returns (dq, dk, dv, dlambda).
 
 Takes the forward's arguments, its out and lse, and dout = dL/dout. dlambda is a
-float for a scalar lambda_, an array (H) for one lambda per head. float32 and
-float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
+float for a scalar lambda_, an array (H) for one lambda per head. With 16-bit
+storage (bfloat16 as uint16 bits, float16) q, k, v, out, dout and the returned
+dq, dk, dv are 16-bit; lse, lambda_, dlambda and dsinks float32.)doc");
 
   m.def(
       "diff_attention_v2_backward",
@@ -266,13 +269,14 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
                         dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
+          using C = compute_t<T>;
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
           const auto gl = view_of<const T, 3>(fn, "lambda_logit", logit);
           py::array dlog = new_array<T, 3>(gl.shape());
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
+                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
           const auto dlv = view_of<T, 3>(fn, "dlambda_logit", dlog);
           {
             py::gil_scoped_release nogil;
@@ -300,11 +304,12 @@ float64 only (compute gradients of 16-bit tensors on float32 copies).)doc");
                         lse = as_array(lse_), dout = as_array(dout_);
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
+          using C = compute_t<T>;
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<T, 1>()
-                                             : view_of<T, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
+                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
           {
             py::gil_scoped_release nogil;
             diffattn::attention_backward<T>(a.q, a.k, a.v, a.out, a.lse, a.dout, a.dqv, a.dkv,
@@ -620,23 +625,24 @@ lse (2H, T).)doc");
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
+          using C = compute_t<T>;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
-          const Lambda l = lambda_arg<T>(fn, lam);
+          const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
-            T dl = 0;
+            C dl = 0;
             {
               py::gil_scoped_release nogil;
-              diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, static_cast<T>(l.value),
+              diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, static_cast<C>(l.value),
                                                              a.out, a.lse, a.dout, a.dqv, a.dkv,
                                                              a.dvv, dl, seqs, o);
             }
             return py::make_tuple(a.dq, a.dk, a.dv, py::float_(static_cast<double>(dl)));
           }
-          const auto lh = view_of<const T, 1>(fn, "lambda_", l.per_head);
-          py::array dl = new_array<T, 1>(lh.shape());
-          const auto dlv = view_of<T, 1>(fn, "dlambda", dl);
+          const auto lh = view_of<const C, 1>(fn, "lambda_", l.per_head);
+          py::array dl = new_array<C, 1>(lh.shape());
+          const auto dlv = view_of<C, 1>(fn, "dlambda", dl);
           {
             py::gil_scoped_release nogil;
             diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, lh, a.out, a.lse, a.dout,
@@ -663,7 +669,7 @@ lse (2H, T).)doc");
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
           const auto gl = view_of<const T, 2>(fn, "lambda_logit", logit);
@@ -694,7 +700,7 @@ lse (2H, T).)doc");
         const OptionsHolder oh = make_options(causal, wl, wr, scale, nt, softcap, alibi, sinks);
         const diffattn::AttentionOptions& o = oh.options;
         const PackedSequences seqs = seqs_arg(fn, seqs_, cu_k);
-        return visit_float<false>(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
+        return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
           {

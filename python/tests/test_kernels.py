@@ -130,11 +130,142 @@ def test_backward_against_reference(n, m):
                     {"q": dq, "k": dk, "v": dv}, [(0, "q"), (1, "k"), (2, "v")])
 
 
-def test_backward_refuses_16bit():
+# 16-bit storage: the storage type as numpy holds it, its unit roundoff, to / from float
+STORAGE16 = {
+    "bfloat16": (2.0 ** -8, ref.to_bf16_bits, lambda a: ref.from_bf16_bits(a).astype(np.float64)),
+    "float16": (2.0 ** -11, lambda a: np.asarray(a, np.float32).astype(np.float16),
+                lambda a: np.asarray(a, np.float64)),
+}
+
+
+def rel_err(a, b):
+    b = np.asarray(b, np.float64)
+    return np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0) / \
+        max(np.max(np.abs(b), initial=0.0), 1e-300)
+
+
+def check16(g16, g32, g64, u, rounded=True):
+    """tests/test_half_backward.cpp's bound: with e_f the float path's error (at most twice
+    the float32 kernel's measured error, or 5e-5, relative to max |reference|), a gradient
+    stored in 16 bits is within u (1 + e_f) + e_f; a float one (dlambda) within e_f."""
+    e_f = max(2 * rel_err(g32, g64), 5e-5)
+    if not rounded:  # dlambda: relative to max(1, max |reference|)
+        scale = max(1.0, np.max(np.abs(np.asarray(g64, np.float64))))
+        err = np.max(np.abs(np.asarray(g16, np.float64) - g64)) / scale
+        assert err <= e_f, (err, e_f)
+        return
+    err = rel_err(g16, g64)
+    assert err <= u * (1 + e_f) + e_f, (err, u, e_f)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n,m,causal,wl", CASES)
+def test_backward_16bit_storage(kind, n, m, causal, wl):
+    u, to16, wide = STORAGE16[kind]
+    h, hkv, d = 4, 2, 8  # GQA
+    rng = np.random.default_rng(n * 100 + m)
+
+    def r16(*shape):
+        return to16(rng.standard_normal(shape).astype(np.float32))
+
+    kw = dict(causal=causal, window_left=wl)
+    q = r16(2, n, 2 * h, d)
+    k1, v1 = r16(2, m, 2 * hkv, d), r16(2, m, hkv, 2 * d)
+    k2, v2, logit = r16(2, m, hkv, d), r16(2, m, hkv, d), r16(2, n, h)
+
+    def three(call, args16, out, lse, dout, wide_args):
+        """The backward on the 16-bit arrays, then on float32 and float64 copies of the same
+        values (and of the forward's 16-bit out, its float32 lse and the 16-bit dout): the
+        float64 kernel is the reference (test_backward_against_reference holds it to the
+        numpy reference's finite differences)."""
+        g16 = call(*args16, out, lse, dout)
+        res = [g16]
+        for t in (np.float32, np.float64):
+            conv = [wide(a).astype(t) if w else a for a, w in zip(args16, wide_args)]
+            res.append(call(*conv, wide(out).astype(t), lse.astype(t), wide(dout).astype(t)))
+        return res
+
+    # V1, one lambda and one per head (lambda_, dlambda float32)
+    for lam in (0.8, np.array([0.1, 0.5, 0.9, 1.3], np.float32)):
+        out, lse = diffattn.diff_attention_v1(q, k1, v1, lam, **kw)
+        assert lse.dtype == np.float32
+        dout = r16(*out.shape)
+        g16, g32, g64 = three(
+            lambda q_, k_, v_, l_, o_, s_, g_: diffattn.diff_attention_v1_backward(
+                q_, k_, v_, l_, o_, s_, g_, **kw), (q, k1, v1, lam), out, lse, dout,
+            (True, True, True, False))
+        for i, like in enumerate((q, k1, v1)):
+            assert g16[i].dtype == like.dtype and g16[i].shape == like.shape
+            check16(wide(g16[i]), g32[i], g64[i], u)
+        assert np.shape(g16[3]) == np.shape(lam)
+        if np.ndim(lam):
+            assert g16[3].dtype == np.float32
+        check16(g16[3], g32[3], g64[3], u, rounded=False)
+    # V2 (dlambda_logit in the storage type) and plain attention
+    out, lse = diffattn.diff_attention_v2(q, k2, v2, logit, **kw)
+    dout = r16(*out.shape)
+    g16, g32, g64 = three(
+        lambda q_, k_, v_, l_, o_, s_, g_: diffattn.diff_attention_v2_backward(
+            q_, k_, v_, l_, o_, s_, g_, **kw), (q, k2, v2, logit), out, lse, dout,
+        (True, True, True, True))
+    for i, like in enumerate((q, k2, v2, logit)):
+        assert g16[i].dtype == like.dtype and g16[i].shape == like.shape
+        check16(wide(g16[i]), g32[i], g64[i], u)
+    out, lse = diffattn.attention(q, k2, v2, scale=0.3, **kw)
+    dout = r16(*out.shape)
+    g16, g32, g64 = three(
+        lambda q_, k_, v_, o_, s_, g_: diffattn.attention_backward(
+            q_, k_, v_, o_, s_, g_, scale=0.3, **kw), (q, k2, v2), out, lse, dout,
+        (True, True, True))
+    for i, like in enumerate((q, k2, v2)):
+        assert g16[i].dtype == like.dtype
+        check16(wide(g16[i]), g32[i], g64[i], u)
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float16"])
+def test_varlen_backward_16bit_storage(kind):
+    u, to16, wide = STORAGE16[kind]
+    rng = np.random.default_rng(5)
+    seqs = diffattn.PackedSequences.from_lengths([5, 0, 11, 3])
+    t, h, hkv, d = 19, 2, 1, 8
+    q, k, v = (to16(rng.standard_normal(s).astype(np.float32))
+               for s in ((t, 2 * h, d), (t, 2 * hkv, d), (t, hkv, 2 * d)))
+    logit = to16(rng.standard_normal((t, h)).astype(np.float32))
+    kv2 = k[:, :1], v[:, :, :d]
+    for name, fwd, bwd, args, lam_index in (
+            ("v1", diffattn.diff_attention_v1_varlen, diffattn.diff_attention_v1_varlen_backward,
+             (q, k, v, 0.5), 3),
+            ("v2", diffattn.diff_attention_v2_varlen, diffattn.diff_attention_v2_varlen_backward,
+             (q, *kv2, logit), None),
+            ("plain", diffattn.attention_varlen, diffattn.attention_varlen_backward,
+             (q, *kv2), None)):
+        out, lse = fwd(*args, seqs, causal=True)
+        dout = to16(rng.standard_normal(out.shape).astype(np.float32))
+        g16 = bwd(*args, out, lse, dout, seqs, causal=True)
+        res = []
+        for tp in (np.float32, np.float64):
+            conv = [a if i == lam_index else wide(a).astype(tp) for i, a in enumerate(args)]
+            res.append(bwd(*conv, wide(out).astype(tp), lse.astype(tp), wide(dout).astype(tp),
+                           seqs, causal=True))
+        for i in range(len(g16)):
+            if i == lam_index:
+                check16(g16[i], res[0][i], res[1][i], u, rounded=False)
+            else:
+                assert g16[i].dtype == args[i].dtype, name
+                check16(wide(g16[i]), res[0][i], res[1][i], u)
+
+
+def test_backward_16bit_refuses_mixed_storage():
     q = np.zeros((1, 4, 2, 8), np.float16)
-    with pytest.raises(ValueError, match="diff_attention_v2_backward: q has dtype float16"):
+    lse = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="diff_attention_v2_backward: k has dtype float32"):
+        diffattn.diff_attention_v2_backward(q, q[:, :, :1].astype(np.float32), q[:, :, :1],
+                                            q[..., 0], q[:, :, :1], lse, q[:, :, :1])
+    with pytest.raises(ValueError, match="diff_attention_v2_backward: lse has dtype float16"):
         diffattn.diff_attention_v2_backward(q, q[:, :, :1], q[:, :, :1], q[..., 0], q[:, :, :1],
-                                            np.zeros((1, 2, 4), np.float32), q[:, :, :1])
+                                            lse.astype(np.float16), q[:, :, :1])
+    with pytest.raises(ValueError, match="attention_backward: q has dtype int8"):
+        diffattn.attention_backward(q.astype(np.int8), q, q, q, lse, q)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
