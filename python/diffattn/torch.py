@@ -4,12 +4,14 @@
     out = dt.diff_attention_v2(q, k, v, lambda_logit, causal=True)   # differentiable
     layer = dt.MultiheadDiffAttnV2(embed_dim, depth, num_heads, num_kv_heads)
 
-Tensors are CPU tensors of float32 or float64, or bfloat16 / float16 for the
-forward pass; they reach the kernels without a copy when their last axis is
-contiguous (any other strides pass as they are). Score modifiers (softcap, alibi_slopes (Hq), sinks (Hq),
+Tensors are CPU tensors of float32, float64, bfloat16 or float16; they reach
+the kernels without a copy when their last axis is contiguous (any other strides
+pass as they are). Score modifiers (softcap, alibi_slopes (Hq), sinks (Hq),
 learnable: their gradient comes back through autograd) are keyword arguments
-of the functions. The backward kernels compute in float32 or float64: the gradients of 16-bit tensors are computed on float32
-copies of the saved tensors and rounded back to the tensors' dtype.
+of the functions. The backward of 16-bit tensors runs the 16-bit backward
+kernels on the saved tensors themselves (no float32 copies): they compute in
+float32 and write dq, dk, dv (and V2's dlambda_logit) in the tensors' dtype,
+rounded once; lambda's and the sinks' gradients are computed in float32.
 
 The modules keep the reference implementations' parameters (nn.Linear weights
 and the state_dict names q_proj.weight, ..., lambda_q1, subln.weight), compute
@@ -61,7 +63,15 @@ def _torch(a):
 
 
 def _grad_dtype(t):
+    """The kernels' compute type for t: float32 for 16-bit storage (lse, lambda,
+    dlambda and dsinks are in it)."""
     return torch.float32 if t.dtype in _HALF else t.dtype
+
+
+def _store(t, dtype):
+    """The saved or incoming tensor t as a kernel argument of storage dtype (a
+    no-op when t already has it: the 16-bit backward reads the tensors as they are)."""
+    return _np(t if t.dtype == dtype else t.to(dtype))
 
 
 def _opts(causal, window_left, window_right, scale, num_threads, softcap=0.0, alibi_slopes=None,
@@ -122,12 +132,12 @@ class DiffAttnV1Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lambda_, out, lse = ctx.saved_tensors
-        g = _grad_dtype(q)
+        s, g = q.dtype, _grad_dtype(q)
         lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
         ds = _dsinks(ctx.sinks, g)
         dq, dk, dv, dl = _C.diff_attention_v1_backward(
-            _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), lam, _np(out.to(g)), _np(lse),
-            _np(dout.to(g)), dsinks=ds, **ctx.opts)
+            _np(q), _store(k, s), _store(v, s), lam, _np(out), _np(lse), _store(dout, s),
+            dsinks=ds, **ctx.opts)
         dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
             _torch(dl).to(lambda_.dtype)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
@@ -153,11 +163,11 @@ class DiffAttnV2Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, logit, out, lse = ctx.saved_tensors
-        g = _grad_dtype(q)
-        ds = _dsinks(ctx.sinks, g)
+        s = q.dtype
+        ds = _dsinks(ctx.sinks, _grad_dtype(q))
         dq, dk, dv, dlog = _C.diff_attention_v2_backward(
-            _np(q.to(g)), _np(k.to(g)), _np(v.to(g)), _np(logit.to(g)), _np(out.to(g)), _np(lse),
-            _np(dout.to(g)), dsinks=ds, **ctx.opts)
+            _np(q), _store(k, s), _store(v, s), _store(logit, s), _np(out), _np(lse),
+            _store(dout, s), dsinks=ds, **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
                 _torch(dlog).to(logit.dtype), None, None, None, None, None, None, None,
                 _grad_sinks(ctx.sinks, ds))
@@ -180,11 +190,10 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        g = _grad_dtype(q)
-        ds = _dsinks(ctx.sinks, g)
-        dq, dk, dv = _C.attention_backward(_np(q.to(g)), _np(k.to(g)), _np(v.to(g)),
-                                           _np(out.to(g)), _np(lse), _np(dout.to(g)), dsinks=ds,
-                                           **ctx.opts)
+        s = q.dtype
+        ds = _dsinks(ctx.sinks, _grad_dtype(q))
+        dq, dk, dv = _C.attention_backward(_np(q), _store(k, s), _store(v, s), _np(out), _np(lse),
+                                           _store(dout, s), dsinks=ds, **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
                 None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
 

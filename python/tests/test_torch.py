@@ -3,6 +3,7 @@ modules against the papers' eager PyTorch modules, zero-copy hand-over, 16-bit
 forward, cached decoding, training with a torch optimizer."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -41,6 +42,108 @@ def test_gradcheck_modules():
     assert torch.autograd.gradcheck(v1, (x,))
     v2 = dt.MultiheadDiffAttnV2(16, 0, 2, 1, dtype=torch.float64)
     assert torch.autograd.gradcheck(v2, (x,))
+
+
+def eager_plain(q, k, v, causal=True, sinks=None):
+    """Plain GQA attention in torch operations: q (B, N, Hq, d), k, v (B, M, Hkv, d)."""
+    hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+    s = q.transpose(1, 2) @ k.transpose(1, 2).repeat_interleave(hq // hkv, 1).transpose(-1, -2)
+    a = eager.softmax_mods(s / math.sqrt(d), sinks=sinks, causal=causal)
+    return (a @ v.transpose(1, 2).repeat_interleave(hq // hkv, 1)).transpose(1, 2)
+
+
+class _Recorder:
+    """Stands for the extension module: records the arrays each *_backward call receives."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, []
+
+    def __getattr__(self, name):
+        f = getattr(self.mod, name)
+        if not name.endswith("_backward"):
+            return f
+
+        def call(*args, **kw):
+            self.calls.append((name, args))
+            return f(*args, **kw)
+        return call
+
+
+@pytest.mark.parametrize("dtype,u", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
+@pytest.mark.parametrize("kind", ["v1", "v1_heads", "v2", "plain_sinks"])
+def test_16bit_backward_runs_the_16bit_kernels(monkeypatch, dtype, u, kind):
+    """Gradients of 16-bit tensors come from the 16-bit backward kernels, on the saved tensors
+    themselves (no float32 copies), in the tensors' dtype; lambda_'s and the sinks' (float32
+    leaves) in float32. Against the float64 eager autograd on the same values, with e_f the
+    float path's error (at most twice the float32 path's measured error, or 5e-5, relative to
+    max |reference|), as tests/test_half_backward.cpp:
+        max |g - reference| / max |reference| <= u (1 + e_f) + e_f   (16-bit gradients)
+        max |g - reference| / max(1, max |reference|) <= e_f           (float32 gradients)
+    (the backward recomputes the maps; it does not read the forward's rounded out)."""
+    gen = torch.Generator().manual_seed(11)
+    n, m, h, hkv, d = 7, 12, 2, 1, 8  # causal with an offset, GQA
+
+    def rand(*shape, dt_=dtype):
+        return torch.randn(*shape, generator=gen).to(dt_)
+
+    q = rand(1, n, 2 * h, d)
+    if kind.startswith("v1"):
+        k, v = rand(1, m, 2 * hkv, d), rand(1, m, hkv, 2 * d)
+        extra = torch.tensor(0.7) if kind == "v1" else torch.tensor([0.3, 0.9])
+    else:
+        k, v = rand(1, m, hkv, d), rand(1, m, hkv, d)
+        extra = rand(1, n, h) if kind == "v2" else rand(2 * h, dt_=torch.float32)  # sinks
+
+    def run(fn_dtype, eager_run):
+        """Leaves of q, k, v (fn_dtype) and lambda_ / logit / sinks, and the output."""
+        leaves = [t.detach().to(fn_dtype).requires_grad_() for t in (q, k, v)]
+        e = extra.detach().to(fn_dtype if extra.dtype == dtype else
+                              (torch.float64 if eager_run else torch.float32))
+        leaves.append(e.requires_grad_())
+        qq, kk, vv, ee = leaves
+        if kind.startswith("v1"):
+            out = eager.eager_v1(qq, kk, vv, ee if ee.dim() == 0 else ee[None, :, None, None]) \
+                if eager_run else dt.diff_attention_v1(qq, kk, vv, ee, causal=True)
+        elif kind == "v2":
+            out = eager.eager_v2(qq, kk, vv, ee) if eager_run else \
+                dt.diff_attention_v2(qq, kk, vv, ee, causal=True)
+        else:
+            out = eager_plain(qq, kk, vv, sinks=ee) if eager_run else \
+                dt.attention(qq, kk, vv, causal=True, sinks=ee)
+        return out, leaves
+
+    rec = _Recorder(dt._C)
+    monkeypatch.setattr(dt, "_C", rec)
+    out16, leaves16 = run(dtype, False)
+    assert out16.dtype == dtype
+    dout = rand(*out16.shape)
+    out16.backward(dout)
+    (name, args), = rec.calls
+    assert name.endswith("_backward")
+    # q, k, v and dout reach the kernel as the 16-bit tensors themselves
+    np16 = np.uint16 if dtype == torch.bfloat16 else np.float16
+    for a, t in zip(args[:3], leaves16[:3]):
+        assert a.dtype == np16 and a.__array_interface__["data"][0] == t.data_ptr()
+    assert args[-1].dtype == np16 and args[-1].__array_interface__["data"][0] == dout.data_ptr()
+    for t in leaves16:
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+    assert leaves16[3].dtype == (dtype if kind == "v2" else torch.float32)
+    monkeypatch.setattr(dt, "_C", rec.mod)
+
+    out64, leaves64 = run(torch.float64, True)
+    out64.backward(dout.to(torch.float64))
+    out32, leaves32 = run(torch.float32, False)
+    out32.backward(dout.to(torch.float32))
+    for t16, t32, t64 in zip(leaves16, leaves32, leaves64):
+        ref_g = t64.grad
+        if t16.dtype == dtype:
+            scale = ref_g.abs().max().item()
+        else:
+            scale = max(1.0, ref_g.abs().max().item())
+        e_f = max(2 * (t32.grad.double() - ref_g).abs().max().item() / scale, 5e-5)
+        err = (t16.grad.double() - ref_g).abs().max().item() / scale
+        bound = u * (1 + e_f) + e_f if t16.dtype == dtype else e_f
+        assert err <= bound, (kind, tuple(t16.shape), err, bound)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -100,7 +203,7 @@ def test_bfloat16_forward_and_backward():
     out = dt.diff_attention_v2(*args16, causal=True)
     assert out.dtype == torch.bfloat16
     assert (out.float() - want).abs().max() <= 0.03 * want.abs().max()
-    out.float().sum().backward()  # gradients computed in float32, rounded to bfloat16
+    out.float().sum().backward()  # the bfloat16 backward kernel: gradients rounded to bfloat16
     assert args16[0].grad.dtype == torch.bfloat16 and torch.isfinite(args16[0].grad.float()).all()
     layer = dt.MultiheadDiffAttnV2(64, 0, 2, 1, dtype=torch.bfloat16)
     y = layer(torch.randn(1, 7, 64, dtype=torch.bfloat16))
