@@ -158,8 +158,10 @@ bool same_on_all_ranks(MPI_Comm comm, const T* x, index_t n) {
 
 template <class T, std::size_t R>
 bool bitwise_equal(const Tensor<T, R>& a, const Tensor<T, R>& b) {
+  // An empty tensor has no data pointer, which memcmp must not be given.
   return a.shape() == b.shape() &&
-         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0;
+         (a.size() == 0 ||
+          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0);
 }
 
 /// One case, forward and backward, against the single-process kernels (with

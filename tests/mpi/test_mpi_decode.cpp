@@ -87,8 +87,10 @@ bool same_on_all_ranks(const Tensor<U, R>& t, MPI_Comm comm) {
 
 template <class U, std::size_t R>
 bool bitwise_equal(const Tensor<U, R>& a, const Tensor<U, R>& b) {
+  // An empty tensor has no data pointer, which memcmp must not be given.
   return a.shape() == b.shape() &&
-         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(U)) == 0;
+         (a.size() == 0 ||
+          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(U)) == 0);
 }
 
 /// max |a - b| / max |b| over finite entries; infinities must match.
