@@ -20,6 +20,8 @@
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/mpi.hpp>
 
+#include "mpi_check.hpp"
+
 using diffattn::AttentionOptions;
 using diffattn::index_t;
 using diffattn::Tensor;
@@ -28,18 +30,13 @@ using diffattn::mpi::Sharding;
 
 namespace {
 
-int g_rank = 0, g_world = 1;
-int g_passed = 0, g_failed = 0;
-
-void check(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("[rank %d] FAILED: %s\n", g_rank, what.c_str());
-    std::fflush(stdout);
-  }
-}
+using mpi_check::bitwise_equal;
+using mpi_check::check;
+using mpi_check::g_failed;
+using mpi_check::g_passed;
+using mpi_check::g_rank;
+using mpi_check::g_world;
+using mpi_check::rel_error;
 
 template <class T, std::size_t R>
 Tensor<T, R> random_tensor(const std::array<index_t, R>& shape, std::uint64_t seed,
@@ -48,24 +45,6 @@ Tensor<T, R> random_tensor(const std::array<index_t, R>& shape, std::uint64_t se
   diffattn::detail::Rng rng(seed);
   for (index_t i = 0; i < t.size(); ++i) t.data()[i] = static_cast<T>(sigma * rng.normal());
   return t;
-}
-
-/// max |a - b| / max(1e-30, max |b|); infinities must match exactly.
-template <class T, std::size_t R>
-double rel_error(const Tensor<T, R>& a, const Tensor<T, R>& b) {
-  if (a.shape() != b.shape()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (index_t i = 0; i < a.size(); ++i) {
-    const double x = a.data()[i], y = b.data()[i];
-    if (std::isinf(y) || std::isinf(x)) {
-      if (x != y) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (std::isnan(x) || std::isnan(y)) return std::numeric_limits<double>::infinity();
-    num = std::max(num, std::abs(x - y));
-    den = std::max(den, std::abs(y));
-  }
-  return num / std::max(den, 1e-30);
 }
 
 template <class T>
@@ -154,14 +133,6 @@ bool same_on_all_ranks(MPI_Comm comm, const T* x, index_t n) {
                     sizeof(double)) != 0)
       return false;
   return true;
-}
-
-template <class T, std::size_t R>
-bool bitwise_equal(const Tensor<T, R>& a, const Tensor<T, R>& b) {
-  // An empty tensor has no data pointer, which memcmp must not be given.
-  return a.shape() == b.shape() &&
-         (a.size() == 0 ||
-          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(T)) == 0);
 }
 
 /// One case, forward and backward, against the single-process kernels (with
@@ -631,13 +602,5 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     check(false, std::string("unexpected exception: ") + e.what());
   }
-  int counts[2] = {g_passed, g_failed}, total[2] = {0, 0};
-  MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
-  int failed_any = 0;
-  MPI_Allreduce(&g_failed, &failed_any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (g_rank == 0)
-    std::printf("mpi: %d passed, %d failed (%d ranks)\n", total[0], total[1], g_world);
-  MPI_Finalize();
-  // Nothing checked is a failure too: ctest judges these runs by exit code.
-  return failed_any || (g_rank == 0 && total[0] == 0) ? 1 : 0;
+  return mpi_check::finish("mpi");
 }

@@ -19,6 +19,8 @@
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/mpi.hpp>
+
+#include "mpi_check.hpp"
 #include <diffattn/quantize.hpp>
 
 using diffattn::AttentionOptions;
@@ -31,18 +33,14 @@ using diffattn::TensorView;
 
 namespace {
 
-int g_rank = 0, g_world = 1;
-int g_passed = 0, g_failed = 0;
-
-void check(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("[rank %d] FAILED: %s\n", g_rank, what.c_str());
-    std::fflush(stdout);
-  }
-}
+using mpi_check::bitwise_equal;
+using mpi_check::check;
+using mpi_check::g_failed;
+using mpi_check::g_passed;
+using mpi_check::g_rank;
+using mpi_check::g_world;
+using mpi_check::rel_error;
+using mpi_check::same_on_all_ranks;
 
 enum class Kind { plain, v1, v2 };
 const char* kind_name(Kind k) { return k == Kind::plain ? "plain" : k == Kind::v1 ? "v1" : "v2"; }
@@ -69,46 +67,6 @@ std::string describe(const DCase& c, const char* types) {
                 int(c.causal), long(c.wl), long(c.wr), int(c.per_head), int(c.paged), long(c.split),
                 double(c.softcap), int(c.alibi), int(c.sinks), g_world);
   return buf;
-}
-
-/// Bytes of a tensor equal on every rank of comm.
-template <class U, std::size_t R>
-bool same_on_all_ranks(const Tensor<U, R>& t, MPI_Comm comm) {
-  int W = 1;
-  MPI_Comm_size(comm, &W);
-  const int bytes = static_cast<int>(t.size() * sizeof(U));
-  std::vector<unsigned char> all(static_cast<std::size_t>(bytes) * W);
-  MPI_Allgather(t.data(), bytes, MPI_BYTE, all.data(), bytes, MPI_BYTE, comm);
-  for (int r = 1; r < W; ++r)
-    if (std::memcmp(all.data(), all.data() + static_cast<std::size_t>(r) * bytes, bytes) != 0)
-      return false;
-  return true;
-}
-
-template <class U, std::size_t R>
-bool bitwise_equal(const Tensor<U, R>& a, const Tensor<U, R>& b) {
-  // An empty tensor has no data pointer, which memcmp must not be given.
-  return a.shape() == b.shape() &&
-         (a.size() == 0 ||
-          std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.size()) * sizeof(U)) == 0);
-}
-
-/// max |a - b| / max |b| over finite entries; infinities must match.
-template <class U, std::size_t R>
-double rel_error(const Tensor<U, R>& a, const Tensor<U, R>& b) {
-  if (a.shape() != b.shape()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (index_t i = 0; i < a.size(); ++i) {
-    const double x = static_cast<double>(a.data()[i]), y = static_cast<double>(b.data()[i]);
-    if (std::isinf(x) || std::isinf(y)) {
-      if (x != y) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (std::isnan(x) || std::isnan(y)) return std::numeric_limits<double>::infinity();
-    num = std::max(num, std::abs(x - y));
-    den = std::max(den, std::abs(y));
-  }
-  return num / std::max(den, 1e-30);
 }
 
 /// The global problem every rank builds alike, and this rank's slice.
@@ -543,12 +501,5 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     check(false, std::string("unexpected exception: ") + e.what());
   }
-  int counts[2] = {g_passed, g_failed}, total[2] = {0, 0};
-  MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
-  int failed_any = 0;
-  MPI_Allreduce(&g_failed, &failed_any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (g_rank == 0)
-    std::printf("mpi_decode: %d passed, %d failed (%d ranks)\n", total[0], total[1], g_world);
-  MPI_Finalize();
-  return failed_any || (g_rank == 0 && total[0] == 0) ? 1 : 0;
+  return mpi_check::finish("mpi_decode");
 }

@@ -18,46 +18,20 @@
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/module_v2.hpp>
 
+#include "mpi_check.hpp"
+
 using diffattn::index_t;
 using diffattn::Tensor;
 
 namespace {
 
-int g_rank = 0, g_world = 1;
-int g_passed = 0, g_failed = 0;
-
-void check(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("[rank %d] FAILED: %s\n", g_rank, what.c_str());
-    std::fflush(stdout);
-  }
-}
-
-template <class T>
-bool same_on_all_ranks(const Tensor<T, 3>& t) {
-  const int bytes = static_cast<int>(t.size() * sizeof(T));
-  std::vector<unsigned char> all(static_cast<std::size_t>(bytes) * g_world);
-  MPI_Allgather(t.data(), bytes, MPI_BYTE, all.data(), bytes, MPI_BYTE, MPI_COMM_WORLD);
-  for (int r = 1; r < g_world; ++r)
-    if (std::memcmp(all.data(), all.data() + static_cast<std::size_t>(r) * bytes, bytes) != 0)
-      return false;
-  return true;
-}
-
-template <class T>
-double rel_error(const Tensor<T, 3>& a, const Tensor<T, 3>& b) {
-  double num = 0, den = 0;
-  for (index_t i = 0; i < a.size(); ++i) {
-    const double x = static_cast<double>(a.data()[i]), y = static_cast<double>(b.data()[i]);
-    if (!std::isfinite(x)) return 1e30;
-    num = std::max(num, std::abs(x - y));
-    den = std::max(den, std::abs(y));
-  }
-  return num / std::max(den, 1e-30);
-}
+using mpi_check::check;
+using mpi_check::g_failed;
+using mpi_check::g_passed;
+using mpi_check::g_rank;
+using mpi_check::g_world;
+using mpi_check::rel_error;
+using mpi_check::same_on_all_ranks;
 
 /// Steps of n tokens: a prefill chunk, decoding steps, another chunk, more steps.
 template <class T, class S>
@@ -157,12 +131,5 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     check(false, std::string("unexpected exception: ") + e.what());
   }
-  int counts[2] = {g_passed, g_failed}, total[2] = {0, 0};
-  MPI_Reduce(counts, total, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
-  int failed_any = 0;
-  MPI_Allreduce(&g_failed, &failed_any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (g_rank == 0)
-    std::printf("mpi_layer: %d passed, %d failed (%d ranks)\n", total[0], total[1], g_world);
-  MPI_Finalize();
-  return failed_any || (g_rank == 0 && total[0] == 0) ? 1 : 0;
+  return mpi_check::finish("mpi_layer");
 }
