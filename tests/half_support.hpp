@@ -1,8 +1,11 @@
-// Helpers of the 16-bit storage tests (test_half, test_layers_half).
+// Helpers of the 16-bit storage tests (test_half, test_half_backward,
+// test_layers_half).
 #pragma once
 
 #include <type_traits>
 
+#include <diffattn/detail/kernel/bf16_dot.hpp>
+#include <diffattn/isa.hpp>
 #include <diffattn/types.hpp>
 
 namespace test {
@@ -16,6 +19,19 @@ constexpr double unit_roundoff() {
 template <class S>
 const char* type_name() {
   return std::is_same<S, diffattn::bfloat16>::value ? "bfloat16" : "half";
+}
+
+/// True when the kernels of S storage run their products on bf16 dot
+/// products (vdpbf16ps), so that they are not bitwise the float kernels':
+/// decided by the test's own flags header-only, by the variant in use under
+/// diffattn::dispatch.
+template <class S>
+bool bf16_dot() {
+#ifdef DIFFATTN_DISPATCH
+  return std::is_same<S, diffattn::bfloat16>::value && diffattn::isa() == "avx512bf16";
+#else
+  return diffattn::detail::use_bf16_dot<S, S>;
+#endif
 }
 
 }  // namespace test

@@ -69,6 +69,7 @@ using diffattn::index_t;
 using diffattn::KVCacheBatch;
 using diffattn::Tensor;
 using diffattn::TensorView;
+using test::bf16_dot;
 using test::cast;
 using test::random_tensor;
 using test::rel_error;
@@ -76,19 +77,6 @@ using test::type_name;
 using test::unit_roundoff;
 
 namespace {
-
-/// True when the tiled path of S storage runs Q K^T and W V on bf16 dot
-/// products, so that it is not bitwise the float kernel's (see the top):
-/// decided by this file's flags header-only, by the variant in use under
-/// diffattn::dispatch.
-template <class S>
-bool bf16_dot() {
-#ifdef DIFFATTN_DISPATCH
-  return std::is_same<S, bfloat16>::value && diffattn::isa() == "avx512bf16";
-#else
-  return diffattn::detail::use_bf16_dot<S, S>;
-#endif
-}
 
 enum class Kind { plain, v1, v2 };
 const char* name(Kind k) { return k == Kind::v1 ? "v1" : k == Kind::v2 ? "v2" : "plain"; }
@@ -267,7 +255,10 @@ void check_results(const Tensor<S, 4>& out_s, const Tensor<float, 3>& lse_s,
       const double delta = e_f * ymax + std::ldexp(1.0 + 1.0 / 64, -8) * mag->data()[i];
       const double bound = u * (std::abs(y) + delta) + delta;
       const double err = std::abs(static_cast<double>(out_s.data()[i]) - y);
-      const double ratio = std::isnan(err) ? HUGE_VAL : bound > 0 ? err / bound : err > 0 ? HUGE_VAL : 0;
+      const double ratio = std::isnan(err) ? HUGE_VAL
+                           : bound > 0     ? err / bound
+                           : err > 0       ? HUGE_VAL
+                                           : 0;
       if (ratio > worst_ratio) {
         worst_ratio = ratio;
         worst = i;
@@ -424,7 +415,8 @@ TEST_CASE("16-bit varlen batches equal the float kernel rounded once", "[half][v
            seq4(mag), o);
   }
   double fmax = 0;
-  for (index_t i = 0; i < out_f.size(); ++i) fmax = std::max(fmax, double(std::abs(out_f.data()[i])));
+  for (index_t i = 0; i < out_f.size(); ++i)
+    fmax = std::max(fmax, double(std::abs(out_f.data()[i])));
   double worst_excess = -HUGE_VAL;  // largest error - bound
   index_t worst = 0;
   for (index_t i = 0; i < out.size(); ++i) {
@@ -538,8 +530,8 @@ TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-ker
       dt::pack_value_pairs_from([&](index_t j) { return &v(j, 0); }, rows, width, panels.data());
       for (index_t j = 0; j < 2 * pairs; ++j)
         for (index_t c = 0; c < wp; ++c) {
-          const std::uint32_t w = panels[static_cast<std::size_t>((c / NR) * pairs * NR +
-                                                                  (j / 2) * NR + c % NR)];
+          const std::uint32_t w =
+              panels[static_cast<std::size_t>((c / NR) * pairs * NR + (j / 2) * NR + c % NR)];
           const std::uint32_t want = j < rows && c < width ? v(j, c).value : 0u;
           REQUIRE(((w >> (16 * (j % 2))) & 0xffffu) == want);
           const float widened = dt::value_from_pairs(panels.data(), pairs, j, c);
@@ -598,7 +590,8 @@ TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-ker
     const auto v = cast<bfloat16>(random_tensor<float, 2>({keys, width}, 73700 + keys));
     std::vector<float> wf(static_cast<std::size_t>(6 * keys));
     for (index_t r = 0; r < 6; ++r)
-      for (index_t j = 0; j < keys; ++j) wf[static_cast<std::size_t>(r * keys + j)] = float(wv(r, j));
+      for (index_t j = 0; j < keys; ++j)
+        wf[static_cast<std::size_t>(r * keys + j)] = float(wv(r, j));
     std::vector<std::uint32_t> a(static_cast<std::size_t>(6 * pairs));
     for (index_t r = 0; r < 6; ++r)
       dt::round_weight_pairs(wf.data() + r * keys, 0, pairs, a.data() + r * pairs);

@@ -46,6 +46,7 @@ using diffattn::half;
 using diffattn::index_t;
 using diffattn::Tensor;
 using diffattn::TensorView;
+using test::bf16_dot;
 using test::cast;
 using test::random_tensor;
 using test::rel_error;
@@ -53,18 +54,6 @@ using test::type_name;
 using test::unit_roundoff;
 
 namespace {
-
-/// True when the backward of S storage runs its products on bf16 dot
-/// products (so that it is not bitwise the float kernel's): this file's flags
-/// header-only, the variant in use under diffattn::dispatch.
-template <class S>
-bool bf16_dot() {
-#ifdef DIFFATTN_DISPATCH
-  return std::is_same<S, bfloat16>::value && diffattn::isa() == "avx512bf16";
-#else
-  return diffattn::detail::use_bf16_dot<S, S>;
-#endif
-}
 
 enum class Kind { v1, v1_heads, v2, plain };
 const char* name(Kind k) {
