@@ -369,14 +369,19 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
           }
           continue;
         }
+        // A = exp(S - lse) in place; a row with no visible key has lse = -inf
+        // and A = 0.
+        const auto probabilities = [&](ArrayMap& a, int m) {
+          const C lse = p.lse(sq.b, hm.q[m], i);
+          if (lse == -std::numeric_limits<C>::infinity())
+            a.setZero();
+          else {
+            a -= lse;
+            a = a.exp();
+          }
+        };
         ArrayMap a1(r0, n), dw(rw, n);
-        const C lse1 = p.lse(sq.b, hm.q[0], i);
-        if (lse1 == -std::numeric_limits<C>::infinity())
-          a1.setZero();
-        else {
-          a1 -= lse1;
-          a1 = a1.exp();
-        }
+        probabilities(a1, 0);
         if (maps == 1) {
           const C dsum = bp.delta.empty() ? C((a1 * dw).sum()) : bp.delta(sq.b, hm.q[0], i);
           for (index_t j = 0; j < n; ++j) {
@@ -388,13 +393,7 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         if (maps == 2) {
           C* r1 = s[1] + ii * lds + off;
           ArrayMap a2(r1, n);
-          const C lse2 = p.lse(sq.b, hm.q[1], i);
-          if (lse2 == -std::numeric_limits<C>::infinity())
-            a2.setZero();
-          else {
-            a2 -= lse2;
-            a2 = a2.exp();
-          }
+          probabilities(a2, 1);
           const C lambda = row_lambda(p, sq.b, i, oh);
           const C d1 = (a1 * dw).sum();
           const C e = (a2 * dw).sum();

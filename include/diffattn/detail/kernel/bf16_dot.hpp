@@ -104,6 +104,22 @@ inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda
                               const std::uint32_t* b, float* c, index_t ldc, float scale);
 
 #if defined(__AVX512BF16__)
+/// bfloat16 pair dot products (`vdpbf16ps`): the ops of micro_kernel_bf16's
+/// register tile, over words that each hold two bf16.
+struct Bf16PairDot {
+  static constexpr int kPacket = 16;
+  static EIGEN_ALWAYS_INLINE __m512 zero() { return _mm512_setzero_ps(); }
+  static EIGEN_ALWAYS_INLINE __m512bh load(const std::uint32_t* p) {
+    return (__m512bh)_mm512_load_si512(p);
+  }
+  static EIGEN_ALWAYS_INLINE __m512bh bcast(std::uint32_t e) {
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(e));
+  }
+  static EIGEN_ALWAYS_INLINE __m512 madd(__m512bh x, __m512bh y, __m512 c) {
+    return _mm512_dpbf16_ps(c, x, y);
+  }
+};
+
 /// C[r, 0:32] = scale * sum_t A[r, t] . B[t, 0:32] for r < 6 (Accumulate:
 /// C[r, 0:32] += that sum, scale unused), over `pairs` words: a row r at
 /// a + r * lda (words), b a packed panel (32 words per step), c row r at
@@ -113,53 +129,20 @@ template <bool Accumulate>
 inline void micro_kernel_bf16_tile(index_t pairs, const std::uint32_t* a, index_t lda,
                                    const std::uint32_t* b, float* c, index_t ldc, float scale) {
   static_assert(TileConfig<float>::kMR == 6 && TileConfig<float>::kNR == 32,
-                "the bf16 micro-kernel is unrolled for 6 rows of two 16-float packets");
-  const std::uint32_t* a0 = a;
-  const std::uint32_t* a1 = a + lda;
-  const std::uint32_t* a2 = a + 2 * lda;
-  const std::uint32_t* a3 = a + 3 * lda;
-  const std::uint32_t* a4 = a + 4 * lda;
-  const std::uint32_t* a5 = a + 5 * lda;
-  __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m512 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (index_t t = 0; t < pairs; ++t) {
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(b + 16);
-    b += 32;
-    __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a0[t]));
-    c00 = _mm512_dpbf16_ps(c00, x, b0);
-    c01 = _mm512_dpbf16_ps(c01, x, b1);
-    x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a1[t]));
-    c10 = _mm512_dpbf16_ps(c10, x, b0);
-    c11 = _mm512_dpbf16_ps(c11, x, b1);
-    x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a2[t]));
-    c20 = _mm512_dpbf16_ps(c20, x, b0);
-    c21 = _mm512_dpbf16_ps(c21, x, b1);
-    x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a3[t]));
-    c30 = _mm512_dpbf16_ps(c30, x, b0);
-    c31 = _mm512_dpbf16_ps(c31, x, b1);
-    x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a4[t]));
-    c40 = _mm512_dpbf16_ps(c40, x, b0);
-    c41 = _mm512_dpbf16_ps(c41, x, b1);
-    x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a5[t]));
-    c50 = _mm512_dpbf16_ps(c50, x, b0);
-    c51 = _mm512_dpbf16_ps(c51, x, b1);
-  }
-  const __m512 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  if constexpr (Accumulate) {
-    (void)scale;
-    for (int r = 0; r < 6; ++r) {
-      float* cr = c + r * ldc;
-      _mm512_storeu_ps(cr, _mm512_add_ps(_mm512_loadu_ps(cr), acc[r][0]));
-      _mm512_storeu_ps(cr + 16, _mm512_add_ps(_mm512_loadu_ps(cr + 16), acc[r][1]));
+                "the bf16 micro-kernel's register tile has 6 rows of two 16-float packets");
+  const __m512 s = _mm512_set1_ps(scale);
+  register_tile<Bf16PairDot>(pairs, a, lda, b, 32, [&](int r, __m512 c0, __m512 c1) {
+    float* cr = c + r * ldc;
+    if constexpr (Accumulate) {
+      c0 = _mm512_add_ps(_mm512_loadu_ps(cr), c0);
+      c1 = _mm512_add_ps(_mm512_loadu_ps(cr + 16), c1);
+    } else {
+      c0 = _mm512_mul_ps(c0, s);
+      c1 = _mm512_mul_ps(c1, s);
     }
-  } else {
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int r = 0; r < 6; ++r) {
-      _mm512_storeu_ps(c + r * ldc, _mm512_mul_ps(acc[r][0], s));
-      _mm512_storeu_ps(c + r * ldc + 16, _mm512_mul_ps(acc[r][1], s));
-    }
-  }
+    _mm512_storeu_ps(cr, c0);
+    _mm512_storeu_ps(cr + 16, c1);
+  });
 }
 
 inline void micro_kernel_bf16(index_t pairs, const std::uint32_t* a, index_t lda,

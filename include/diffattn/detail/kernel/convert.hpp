@@ -70,6 +70,29 @@ inline void convert_row(const S* src, index_t n, D* dst) {
   }
 }
 
+/// Eigen's packet of P bfloat16 or half values, which it converts to P
+/// floats (AVX-512: 16 at a time, AVX: 8); void where the target has none.
+template <class S, class Bf16Packet, class HalfPacket>
+using narrow_packet_of =
+    std::conditional_t<std::is_same<S, bfloat16>::value, Bf16Packet,
+                       std::conditional_t<std::is_same<S, half>::value, HalfPacket, void>>;
+template <class S, int P>
+struct eigen_narrow_packet {
+  using type = void;
+};
+#if defined(EIGEN_VECTORIZE_AVX512)
+template <class S>
+struct eigen_narrow_packet<S, 16> {
+  using type = narrow_packet_of<S, Eigen::internal::Packet16bf, Eigen::internal::Packet16h>;
+};
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+template <class S>
+struct eigen_narrow_packet<S, 8> {
+  using type = narrow_packet_of<S, Eigen::internal::Packet8bf, Eigen::internal::Packet8h>;
+};
+#endif
+
 /// The packet of compute type at p (unaligned) from P values stored as S:
 /// a plain load for S = C, Eigen's packet conversion from bfloat16 / half
 /// where the target has one (AVX-512: 16 at a time, AVX: 8), element by
@@ -106,26 +129,10 @@ inline Packet pload_widened(const S* p) {
     return _mm_castsi128_ps(_mm_unpacklo_epi16(
         _mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif
-#if defined(EIGEN_VECTORIZE_AVX512)
-  } else if constexpr ((std::is_same<C, float>::value &&
-                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
-                       std::is_same<S, bfloat16>::value) {
-    return pcast<Eigen::internal::Packet16bf, Packet>(ploadu<Eigen::internal::Packet16bf>(p));
-  } else if constexpr ((std::is_same<C, float>::value &&
-                        Eigen::internal::unpacket_traits<Packet>::size == 16) &&
-                       std::is_same<S, half>::value) {
-    return pcast<Eigen::internal::Packet16h, Packet>(ploadu<Eigen::internal::Packet16h>(p));
-#endif
-#if defined(EIGEN_VECTORIZE_AVX)
-  } else if constexpr ((std::is_same<C, float>::value &&
-                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
-                       std::is_same<S, bfloat16>::value) {
-    return pcast<Eigen::internal::Packet8bf, Packet>(ploadu<Eigen::internal::Packet8bf>(p));
-  } else if constexpr ((std::is_same<C, float>::value &&
-                        Eigen::internal::unpacket_traits<Packet>::size == 8) &&
-                       std::is_same<S, half>::value) {
-    return pcast<Eigen::internal::Packet8h, Packet>(ploadu<Eigen::internal::Packet8h>(p));
-#endif
+  } else if constexpr (std::is_same<C, float>::value &&
+                       !std::is_void<typename eigen_narrow_packet<S, P>::type>::value) {
+    using Narrow = typename eigen_narrow_packet<S, P>::type;
+    return pcast<Narrow, Packet>(ploadu<Narrow>(p));
   } else {
     alignas(64) C tmp[P];
     for (int i = 0; i < P; ++i) tmp[i] = static_cast<C>(p[i]);

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -18,6 +20,65 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// Calls f(std::integral_constant<int, I>{}) for I = 0 .. N-1, unrolled: the
+/// rows of a register tile, named by constants so that the tile stays in
+/// registers.
+template <int... I, class F>
+EIGEN_ALWAYS_INLINE void static_for_impl(std::integer_sequence<int, I...>, F&& f) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+EIGEN_ALWAYS_INLINE void static_for(F&& f) {
+  static_for_impl(std::make_integer_sequence<int, N>{}, f);
+}
+
+/// The register tile of every micro-kernel: C[r][h] = sum_t a_r[t] (x) B[t][h]
+/// for rows r < 6, the two packets h of a B row, and t < depth, where a_r is
+/// row r of A at a + r * lda and B row t starts at b + t * ldb; then
+/// store(r, C[r][0], C[r][1]) for each row. Ops gives the element type:
+/// load(p) a B packet, bcast(e) an A element spread over a packet,
+/// madd(x, y, acc) the product added to acc (a float FMA, or a bfloat16 pair
+/// dot product on a word of two bf16). The accumulators are locals named by
+/// constants, so they stay in registers (6 x 2 and the two B packets: 14 of
+/// 16 ymm or 32 zmm registers); a caller's array would be stored to memory on
+/// every step, since A's loads might alias it.
+template <class Ops, class Elem, class Store>
+EIGEN_ALWAYS_INLINE void register_tile(index_t depth, const Elem* a, index_t lda, const Elem* b,
+                                       index_t ldb, Store&& store) {
+  constexpr int P = Ops::kPacket;
+  using Acc = decltype(Ops::zero());
+  const Elem* rows[6];
+  Acc acc[6][2];
+  static_for<6>([&](auto r) {
+    rows[r] = a + r * lda;
+    acc[r][0] = acc[r][1] = Ops::zero();
+  });
+  for (index_t t = 0; t < depth; ++t) {
+    const auto b0 = Ops::load(b);
+    const auto b1 = Ops::load(b + P);
+    b += ldb;
+    static_for<6>([&](auto r) {
+      const auto x = Ops::bcast(rows[r][t]);
+      acc[r][0] = Ops::madd(x, b0, acc[r][0]);
+      acc[r][1] = Ops::madd(x, b1, acc[r][1]);
+    });
+  }
+  static_for<6>([&](auto r) { store(static_cast<int>(r), acc[r][0], acc[r][1]); });
+}
+
+/// Float (or double) FMAs on Eigen packets: the ops of micro_kernel's tile.
+template <class T>
+struct PacketFma {
+  using Packet = typename TileConfig<T>::Packet;
+  static constexpr int kPacket = TileConfig<T>::kPacket;
+  static EIGEN_ALWAYS_INLINE Packet zero() { return Eigen::internal::pset1<Packet>(T(0)); }
+  static EIGEN_ALWAYS_INLINE Packet load(const T* p) { return Eigen::internal::pload<Packet>(p); }
+  static EIGEN_ALWAYS_INLINE Packet bcast(T e) { return Eigen::internal::pset1<Packet>(e); }
+  static EIGEN_ALWAYS_INLINE Packet madd(Packet x, Packet y, Packet c) {
+    return Eigen::internal::pmadd(x, y, c);
+  }
+};
+
 /// C[r, 0:kNR] (+)= sum_t A[r, t] B[t, 0:kNR] for r < kMR.
 /// a: row r at a + r * lda, contiguous in t; b: row t at b + t * ldb, aligned to
 /// a packet; c: row r at c + r * ldc. accumulate adds to C.
@@ -26,56 +87,19 @@ inline void micro_kernel(index_t depth, const T* a, index_t lda, const T* b, ind
                          index_t ldc, bool accumulate) {
   using Cfg = TileConfig<T>;
   using Packet = typename Cfg::Packet;
-  using Eigen::internal::pload;
   using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
   using Eigen::internal::pstoreu;
   constexpr int P = Cfg::kPacket;
-  static_assert(Cfg::kMR == 6, "the micro-kernel is unrolled for 6 rows");
-
-  const T* a0 = a;
-  const T* a1 = a + lda;
-  const T* a2 = a + 2 * lda;
-  const T* a3 = a + 3 * lda;
-  const T* a4 = a + 4 * lda;
-  const T* a5 = a + 5 * lda;
-  Packet c00 = pset1<Packet>(T(0)), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  Packet c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (index_t t = 0; t < depth; ++t) {
-    const Packet b0 = pload<Packet>(b);
-    const Packet b1 = pload<Packet>(b + P);
-    b += ldb;
-    Packet x = pset1<Packet>(a0[t]);
-    c00 = pmadd(x, b0, c00);
-    c01 = pmadd(x, b1, c01);
-    x = pset1<Packet>(a1[t]);
-    c10 = pmadd(x, b0, c10);
-    c11 = pmadd(x, b1, c11);
-    x = pset1<Packet>(a2[t]);
-    c20 = pmadd(x, b0, c20);
-    c21 = pmadd(x, b1, c21);
-    x = pset1<Packet>(a3[t]);
-    c30 = pmadd(x, b0, c30);
-    c31 = pmadd(x, b1, c31);
-    x = pset1<Packet>(a4[t]);
-    c40 = pmadd(x, b0, c40);
-    c41 = pmadd(x, b1, c41);
-    x = pset1<Packet>(a5[t]);
-    c50 = pmadd(x, b0, c50);
-    c51 = pmadd(x, b1, c51);
-  }
-  const Packet acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < 6; ++r) {
+  static_assert(Cfg::kMR == 6, "the micro-kernel's register tile has 6 rows");
+  register_tile<PacketFma<T>>(depth, a, lda, b, ldb, [&](int r, Packet c0, Packet c1) {
     T* cr = c + r * ldc;
     if (accumulate) {
-      pstoreu(cr, Eigen::internal::padd(ploadu<Packet>(cr), acc[r][0]));
-      pstoreu(cr + P, Eigen::internal::padd(ploadu<Packet>(cr + P), acc[r][1]));
-    } else {
-      pstoreu(cr, acc[r][0]);
-      pstoreu(cr + P, acc[r][1]);
+      c0 = Eigen::internal::padd(ploadu<Packet>(cr), c0);
+      c1 = Eigen::internal::padd(ploadu<Packet>(cr + P), c1);
     }
-  }
+    pstoreu(cr, c0);
+    pstoreu(cr + P, c1);
+  });
 }
 
 /// Rows fetched ahead while packing.
