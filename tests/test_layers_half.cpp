@@ -14,6 +14,11 @@
 //   y_S = round_S(y_f)   (bitwise: the statement the bound rests on)
 //   max|y_S - y| / max|y| <= u (1 + e_f) + e_f,
 // since |round_S(a) - a| <= u |a| and max|y_f| <= (1 + e_f) max|y|.
+// Where bfloat16 runs on bf16 dot products (AVX512-BF16 builds: the
+// projections and the attention products), y_S rounds another float result
+// y_d: the same exact products summed in another order, whose error obeys the
+// float path's bound; with e_f standing for that bound (measured), the check
+// is max|y_S - y| / max|y| <= u (1 + 2 e_f) + 2 e_f, y_S != round_S(y_f) allowed.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -127,8 +132,12 @@ double check_forward(const Config& cfg, index_t b, index_t n, std::uint64_t seed
   INFO(type_name<S>() << " B=" << b << " N=" << n << " E=" << e << ": e_f = " << e_f
                       << ", error = " << err << " = " << err / u << " u");
   CHECK(e_f < kFloatLayerTol);
-  CHECK(bitwise_equal(y, cast<S>(yf)));
-  CHECK(err <= u * (1 + e_f) + e_f);
+  if (test::bf16_dot<S>()) {
+    CHECK(err <= u * (1 + 2 * e_f) + 2 * e_f);
+  } else {
+    CHECK(bitwise_equal(y, cast<S>(yf)));
+    CHECK(err <= u * (1 + e_f) + e_f);
+  }
   CHECK(err > 0);  // y is rounded: not the float64 result
   // one thread or two: the same bits
   m.set_num_threads(1);
@@ -477,7 +486,10 @@ TEST_CASE("16-bit layers convert to and from float, and hold half the bytes", "[
   const Tensor<float, 4> w = b2.attention_maps(x);
   CHECK(w.shape() == std::array<index_t, 4>{1, 4, 6, 6});
   const Tensor<float, 4> wf = MultiheadDiffAttnV2<float>(b2).attention_maps(cast<float>(x));
-  CHECK(bitwise_equal(w, wf));
+  if (test::bf16_dot<bfloat16>())  // products on bf16 dot products: float sums in another order
+    CHECK(rel_error(w, wf) < 1e-5);
+  else
+    CHECK(bitwise_equal(w, wf));
 }
 
 TEST_CASE("16-bit layers: bad input names the argument and the shapes", "[layers][half][errors]") {

@@ -1,8 +1,10 @@
 // The projections' products (detail/layers/linear.hpp) against float64 loops.
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include <catch2/catch.hpp>
+#include <diffattn/detail/kernel/bf16_dot.hpp>
 #include <diffattn/detail/layers/linear.hpp>
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/types.hpp>
@@ -84,7 +86,8 @@ TEST_CASE("16-bit x, W and y: the float product of the widened values, rounded o
   struct Shape {
     index_t rows, in, out;
   };
-  for (const Shape s : {Shape{7, 300, 70}, Shape{100, 64, 50}, Shape{96, 8192, 136}}) {
+  for (const Shape s : {Shape{7, 300, 70}, Shape{5, 33, 19}, Shape{100, 64, 50}, Shape{101, 77, 45},
+                        Shape{96, 8192, 136}}) {
     INFO("rows " << s.rows << " in " << s.in << " out " << s.out);
     const bool small = s.in < 1000;
     const auto xd = random_vec(s.rows * s.in, 6), wd = random_vec(s.out * s.in, 7);
@@ -93,6 +96,30 @@ TEST_CASE("16-bit x, W and y: the float product of the widened values, rounded o
     const std::vector<float> xf(xb.begin(), xb.end()), wbf(wb.begin(), wb.end());
     std::vector<float> ref(static_cast<std::size_t>(s.rows * s.out)), yf(ref.size());
     diffattn::detail::linear(xf.data(), s.rows, s.in, wbf.data(), s.out, ref.data(), 2);
+    if (diffattn::detail::kHasBf16Dot) {
+      // bfloat16 x and W under AVX512-BF16: the products run on bf16 dot
+      // products, a float sum of the same exact products in another order:
+      // within gamma_in sum_t |x_t w_t| of the exact sum, the same bits for
+      // any thread count, and a bfloat16 y is that float y rounded once.
+      const double u = std::ldexp(1.0, -24), gamma = s.in * u / (1 - s.in * u);
+      std::vector<float> y1(ref.size()), y2(ref.size());
+      diffattn::detail::linear(xb.data(), s.rows, s.in, wb.data(), s.out, y1.data(), 1);
+      diffattn::detail::linear(xb.data(), s.rows, s.in, wb.data(), s.out, y2.data(), 2);
+      CHECK(y1 == y2);
+      bool within = true;
+      for (index_t r = 0; r < s.rows; ++r)
+        for (index_t o = 0; o < s.out; ++o) {
+          double exact = 0, mag = 0;
+          for (index_t t = 0; t < s.in; ++t) {
+            const double p = double(xf[r * s.in + t]) * double(wbf[o * s.in + t]);
+            exact += p;
+            mag += std::abs(p);
+          }
+          within = within && std::abs(y1[r * s.out + o] - exact) <= gamma * mag + 1e-30;
+        }
+      CHECK(within);
+      ref = y1;
+    }
     // 16-bit y: that product rounded once
     std::vector<bfloat16> yb(ref.size());
     diffattn::detail::linear(xb.data(), s.rows, s.in, wb.data(), s.out, yb.data(), 2);

@@ -10,6 +10,15 @@
 // product then runs in float, each element widened once where it is packed (W
 // into panels, a block of x rows into the block buffer) and each result
 // rounded once where it is written, so a 16-bit W is never widened whole.
+//
+// When x and W are both bfloat16 and the build targets AVX512-BF16, the
+// products run on bf16 dot products instead (vdpbf16ps, as Q K^T and W V do:
+// bf16_dot.hpp): W packed into panels of bf16 pairs (its own bytes, no
+// slabs), x's rows read as pairs, float accumulators. Every product of two
+// bf16 is exact in float, so y is a float sum of the same exact terms in
+// another order: |y^ - y| <= gamma_in sum_t |x_t w_t| as on the float path
+// (plus the instruction's flush of bf16 denormals, terms below 2^-126). A
+// bfloat16 y is that sum rounded once.
 #pragma once
 
 #include <algorithm>
@@ -21,6 +30,7 @@
 #include "../../types.hpp"
 #include "../core/parallel.hpp"
 #include "../core/workspace.hpp"
+#include "../kernel/bf16_dot.hpp"
 #include "../kernel/convert.hpp"
 #include "../kernel/gemm.hpp"
 #include "../kernel/tile.hpp"
@@ -95,6 +105,82 @@ void gemm_packed_b(index_t m, index_t n, index_t k, const SA* a, index_t lda, co
                  [] { thread_linear_workspace<T>().trim(); });
 }
 
+#if defined(__AVX512BF16__)
+/// Words of bf16 pairs per row of a bfloat16 matrix of `in` columns, rounded
+/// up to whole 64-byte lines so that the A rows of the register tile stay
+/// aligned.
+inline index_t linear_pair_stride(index_t in) { return round_up(bf16_pairs(in), index_t(16)); }
+
+/// y (rows, out) = x W^T on bf16 dot products: x and W bfloat16, y any
+/// storage with float compute. W is packed into pair panels once (in
+/// parallel), then each task takes kBlockM rows of x as pairs and runs the
+/// bf16 register tile over depth chunks of kKC / 2 pairs.
+template <class SY>
+void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloat16* w, index_t out,
+                        SY* y, int nt) {
+  using Cfg = TileConfig<float>;
+  constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
+  constexpr index_t kKCPairs = 128;  // 256 elements: the float path's depth chunk
+  const index_t pairs = bf16_pairs(in), npad = round_up(out, NR), lda = linear_pair_stride(in);
+  LinearWorkspace<float>& main_ws = thread_linear_workspace<float>();
+  // Pair panels of W: npad x pairs words, the bytes of W itself (as floats:
+  // one word each).
+  std::uint32_t* bp = reinterpret_cast<std::uint32_t*>(main_ws.b.get(npad * pairs));
+  parallel_tasks(
+      npad / NR, nt,
+      [&](index_t p) {
+        const index_t o0 = p * NR;
+        pack_pairs_transposed_from(StridedRows<bfloat16>{w + o0 * in, in}, std::min(NR, out - o0),
+                                   in, bp + o0 * pairs);
+      },
+      [] {});
+  const index_t blocks = (rows + BM - 1) / BM;
+  parallel_tasks(
+      blocks, std::min<int>(nt, static_cast<int>(blocks)),
+      [&](index_t blk) {
+        LinearWorkspace<float>& ws = thread_linear_workspace<float>();
+        const index_t i0 = blk * BM, nrows = std::min(BM, rows - i0),
+                      rows_pad = round_up(nrows, MR);
+        std::uint32_t* ab = reinterpret_cast<std::uint32_t*>(ws.a.get(rows_pad * lda));
+        for (index_t r = 0; r < nrows; ++r) pack_query_pairs(x + (i0 + r) * in, in, ab + r * lda);
+        std::fill(ab + nrows * lda, ab + rows_pad * lda, 0u);
+        float* cb = ws.c.get(rows_pad * npad);
+        std::fill(cb, cb + rows_pad * npad, 0.0f);
+        for (index_t k0 = 0; k0 < pairs; k0 += kKCPairs) {
+          const index_t depth = std::min(kKCPairs, pairs - k0);
+          for (index_t p0 = 0; p0 < npad; p0 += NR) {
+            const std::uint32_t* panel = bp + p0 * pairs + k0 * NR;
+            for (index_t r0 = 0; r0 < rows_pad; r0 += MR)
+              micro_kernel_bf16_tile<true>(depth, ab + r0 * lda + k0, lda, panel,
+                                           cb + r0 * npad + p0, npad, 1.0f);
+          }
+        }
+        for (index_t r = 0; r < nrows; ++r) convert_row(cb + r * npad, out, y + (i0 + r) * out);
+      },
+      [] { thread_linear_workspace<float>().trim(); });
+}
+
+/// sum_t a_t b_t over n bfloat16 values on bf16 dot products (32 a step, the
+/// tail with masked loads: zeros are exact).
+inline float dot_bf16(const bfloat16* a, const bfloat16* b, index_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  index_t t = 0;
+  for (; t + 64 <= n; t += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + t),
+                            (__m512bh)_mm512_loadu_si512(b + t));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + t + 32),
+                            (__m512bh)_mm512_loadu_si512(b + t + 32));
+  }
+  for (; t < n; t += 32) {
+    const index_t left = std::min<index_t>(32, n - t);
+    const __mmask32 m = static_cast<__mmask32>((std::uint64_t(1) << left) - 1);
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(m, a + t),
+                            (__m512bh)_mm512_maskz_loadu_epi16(m, b + t));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#endif
+
 /// Outputs per slab of a 16-bit W packed into float panels: 4 MiB of panels
 /// (1024 outputs at in = 1024), at least one panel. Re-reading the block of x
 /// rows once per slab costs 1 / slab of the products.
@@ -122,6 +208,26 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
   if (rows == 0 || out == 0) return;
   const double work =
       static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+#if defined(__AVX512BF16__)
+  if constexpr (kHasBf16Dot && std::is_same<SX, bfloat16>::value &&
+                std::is_same<SW, bfloat16>::value) {
+    if (rows < kDotRows) {
+      // Few rows: dot products of x's rows with W's, both read in place.
+      const index_t blocks = (out + kOutBlock - 1) / kOutBlock;
+      parallel_tasks(
+          blocks, resolve_threads(threads, blocks, work),
+          [&](index_t blk) {
+            for (index_t o = blk * kOutBlock; o < std::min(out, (blk + 1) * kOutBlock); ++o)
+              for (index_t r = 0; r < rows; ++r)
+                y[r * out + o] = static_cast<SY>(dot_bf16(x + r * in, w + o * in, in));
+          },
+          [] {});
+    } else {
+      linear_bf16_packed(x, rows, in, w, out, y, resolve_threads(threads, rows, work));
+    }
+    return;
+  }
+#endif
   if (rows < kDotRows) {
     // Few rows (decoding): packing W would cost more than the product. Dot
     // products against W's contiguous rows, threads over blocks of outputs.
