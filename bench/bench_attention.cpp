@@ -23,7 +23,9 @@
 #include <diffattn/diffattn.hpp>
 #include <diffattn/detail/core/random.hpp>
 
+#include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -234,9 +236,12 @@ void decode(benchmark::State& state) {
 // {N, threads, mode}: 0 none, 1 an empty functor, 2 softcap 30, 3 ALiBi, 4
 // sinks, 5 a document mask of 8 equal sequences as a `visible` functor over
 // the whole row, 7 the same functor with visible_block (chunks classified
-// from the documents' ranges), 6 the packed varlen call on the same 8
-// sequences (the baseline of 5 and 7). Ratios against mode 0 (modes 1-4) and
-// 6 (modes 5, 7) come from one run.
+// from the documents' ranges), 8 the same functor with visible_range (each
+// row's document), 6 the packed varlen call on the same 8 sequences (the
+// baseline of 5, 7 and 8); 9 a functor that lets every row see every key
+// (visible and visible_range, no mask beyond causal: the cost of the functor
+// path itself). Ratios against mode 0 (modes 1-4, 9) and 6 (modes 5, 7, 8)
+// come from one run.
 using diffattn::TensorView;
 struct EmptyMod {};
 struct DocumentMask {
@@ -248,6 +253,18 @@ struct DocumentBlocks : DocumentMask {
     const index_t qa = doc[i0], qb = doc[i1 - 1], ka = doc[j0], kb = doc[j1 - 1];
     if (qb < ka || kb < qa) return 0;
     return qa == qb && ka == kb && qa == ka ? 2 : 1;
+  }
+};
+struct DocumentRanges : DocumentMask {
+  index_t len;  // tokens per document
+  std::pair<index_t, index_t> visible_range(index_t, index_t, index_t i) const {
+    return {doc[i] * len, doc[i] * len + len};
+  }
+};
+struct AllVisible {
+  bool visible(index_t, index_t, index_t, index_t) const { return true; }
+  std::pair<index_t, index_t> visible_range(index_t, index_t, index_t) const {
+    return {0, std::numeric_limits<index_t>::max()};
   }
 };
 
@@ -289,6 +306,10 @@ void modifiers(benchmark::State& state) {
       call(DocumentMask{doc_of.data()});
     } else if (mode == 7) {
       call(DocumentBlocks{{doc_of.data()}});
+    } else if (mode == 8) {
+      call(DocumentRanges{{doc_of.data()}, doc});
+    } else if (mode == 9) {
+      call(AllVisible{});
     } else if (mode == 6) {
       if constexpr (Kind == 0)
         diffattn::diff_attention_v1_varlen<float>(drop(q), drop(k), drop(v), 0.8f, out3, lse2, seqs,
@@ -304,7 +325,7 @@ void modifiers(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(out.data());
   }
-  const double pairs = mode >= 5 ? 8 * visible_pairs(doc) : visible_pairs(n);
+  const double pairs = mode >= 5 && mode <= 8 ? 8 * visible_pairs(doc) : visible_pairs(n);
   set_counters(state, H * 8.0 * pairs * d,
                4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
 }
@@ -398,19 +419,19 @@ BENCHMARK(BM_Bf16_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); })
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
 // Modifiers: N = 4096 causal, 2 threads (the document mask at 8192 = 8 x 1024).
 BENCHMARK(BM_Mod_V1)
-    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})
+    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4, 9}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Mod_V2)
-    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4}})
+    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4, 9}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Mod_V1)
-    ->ArgsProduct({{8192}, {2}, {6, 5, 7}})
+    ->ArgsProduct({{8192}, {2}, {6, 5, 7, 8}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Mod_V2)
-    ->ArgsProduct({{8192}, {2}, {6, 5, 7}})
+    ->ArgsProduct({{8192}, {2}, {6, 5, 7, 8}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Mod_V1Backward)

@@ -2,6 +2,7 @@
 // kernels, against a float64 computation that materialises every score with
 // its cap, its ALiBi bias, the mask and the sink column explicitly.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -923,6 +924,177 @@ TEST_CASE("modifiers: user functors in the backward (finite differences)", "[mod
     p.fvisible = [plm](index_t b, index_t h, index_t i, index_t j) {
       return plm.visible(b, h, i, j);
     };
+    check_gradients(p, seed++, plm);
+  }
+}
+
+namespace {
+
+// visible_range: each row's keys as one run [lo, hi), next to the same mask
+// pair by pair in visible (the reference reads visible).
+//
+// Runs that jump about from row to row (neither end monotone), differ by
+// query head, reach past both ends of the keys, and are empty (lo == hi or
+// lo > hi) in every 7th row.
+struct JumpRanges {
+  std::pair<index_t, index_t> visible_range(index_t b, index_t h, index_t i) const {
+    if ((i + b) % 7 == 3) return {5, (i % 2) ? 5 : 2};
+    const index_t lo = (i * 37 + h * 11 + b * 5) % 50 - 10;
+    return {lo, lo + 4 + (i * 13 + h) % 40};
+  }
+  bool visible(index_t b, index_t h, index_t i, index_t j) const {
+    const std::pair<index_t, index_t> r = visible_range(b, h, i);
+    return j >= r.first && j < r.second;
+  }
+};
+
+// PrefixLM (query head 1 sees no key in rows 5 .. 9) as ranges.
+struct PrefixRanges : PrefixLM {
+  std::pair<index_t, index_t> visible_range(index_t, index_t h, index_t i) const {
+    if (h == 1 && i >= 5 && i < 10) return {i, i - 3};
+    return {0, std::max(prefix, i + 1)};
+  }
+};
+
+// The document mask as ranges: the keys of the query's document.
+struct DocumentRanges {
+  const index_t* doc;    // document of each token, non-decreasing
+  const index_t* start;  // first token of each document, then the total
+  bool visible(index_t, index_t, index_t i, index_t j) const { return doc[i] == doc[j]; }
+  std::pair<index_t, index_t> visible_range(index_t, index_t, index_t i) const {
+    return {start[doc[i]], start[doc[i] + 1]};
+  }
+};
+
+// Counts its visible calls (the block kernel must make none).
+struct CountedRanges : JumpRanges {
+  std::atomic<long>* calls;
+  bool visible(index_t b, index_t h, index_t i, index_t j) const {
+    ++*calls;
+    return JumpRanges::visible(b, h, i, j);
+  }
+};
+
+template <class Mod>
+void set_visible(Case& c, const Mod& mod) {
+  c.fvisible = [mod](index_t b, index_t h, index_t i, index_t j) {
+    return mod.visible(b, h, i, j);
+  };
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: visible_range functors in the forward", "[modifiers][functor]") {
+  std::uint64_t seed = 6500;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    for (int causal = 0; causal < 2; ++causal) {
+      // N > M and N < M; the ranges reach past the M keys.
+      for (index_t M : {37, 61}) {
+        Case c{kind, 2, 50, M, 2, 1, 16};
+        c.causal = causal;
+        set_visible(c, JumpRanges{});
+        check_case(c, seed++, false, JumpRanges{});
+        c.sinks = true;  // the empty rows' weight goes to the sink
+        c.softcap = 3.0f;
+        c.alibi = true;
+        check_case(c, seed++, true, JumpRanges{});
+      }
+    }
+    Case w{kind, 1, 70, 80, 2, 1, 16};  // windows on both sides
+    w.wl = 9;
+    w.wr = 5;
+    set_visible(w, JumpRanges{});
+    check_case(w, seed++, false, JumpRanges{});
+    Case p{kind, 1, 90, 90, 2, 2, 16};
+    const PrefixRanges plm{{17}};
+    set_visible(p, plm);
+    check_case(p, seed++, false, plm);  // no sinks: the empty rows give zeros
+    p.sinks = true;
+    check_case(p, seed++, false, plm);
+    Case dn{kind, 1, 4, 50, 2, 1, 16};  // a decoding step's shape
+    set_visible(dn, JumpRanges{});
+    check_case(dn, seed++, false, JumpRanges{});
+    dn.sinks = true;
+    check_case(dn, seed++, false, JumpRanges{});
+  }
+}
+
+TEST_CASE("modifiers: the block kernel masks by visible_range, never calling visible",
+          "[modifiers][functor]") {
+  for (Kind kind : {Kind::v1, Kind::v2}) {
+    Case c{kind, 2, 64, 64, 2, 1, 16};
+    c.causal = true;
+    set_visible(c, JumpRanges{});
+    std::atomic<long> calls{0};
+    CountedRanges mod;
+    mod.calls = &calls;
+    check_case(c, 6550, false, mod);
+    // (the reference's own calls go through JumpRanges)
+    REQUIRE(calls.load() == 0);
+  }
+}
+
+TEST_CASE("modifiers: a document mask as visible_range equals the packed varlen call",
+          "[modifiers][functor]") {
+  const std::vector<index_t> lens = {70, 33, 130, 7, 60};
+  std::vector<index_t> doc, start = {0};
+  for (std::size_t s = 0; s < lens.size(); ++s) {
+    doc.insert(doc.end(), static_cast<std::size_t>(lens[s]), static_cast<index_t>(s));
+    start.push_back(start.back() + lens[s]);
+  }
+  const index_t T = static_cast<index_t>(doc.size());
+  for (Kind kind : {Kind::v1, Kind::v2}) {
+    Case c{kind, 1, T, T, 2, 1, 16};
+    c.causal = true;
+    c.softcap = 4.0f;
+    c.sinks = true;
+    const DocumentRanges mod{doc.data(), start.data()};
+    set_visible(c, mod);
+    check_case(c, 33, false, mod);
+    const Inputs in = make_inputs(c, 33);
+    const AttentionOptions o = options_of(c, in);
+    const index_t dv = in.v.shape(3);
+    Tensor<double, 4> out({1, T, 2, dv}), packed(out.shape());
+    Tensor<double, 3> lse({1, 4, T});
+    Tensor<double, 2> lse_p({4, T});
+    run_fused<double>(c, in, in.q, in.k, in.v, out, lse, o, mod);
+    auto d3 = [](const Tensor<double, 4>& t) {
+      return TensorView<const double, 3>(t.data(), {t.shape(1), t.shape(2), t.shape(3)});
+    };
+    const auto seqs = diffattn::PackedSequences::from_lengths(lens);
+    TensorView<double, 3> p3(packed.data(), {T, 2, dv});
+    if (kind == Kind::v1)
+      diffattn::diff_attention_v1_varlen<double>(d3(in.q), d3(in.k), d3(in.v), in.lam[0], p3, lse_p,
+                                                 seqs, o);
+    else
+      diffattn::diff_attention_v2_varlen<double>(
+          d3(in.q), d3(in.k), d3(in.v), TensorView<const double, 2>(in.logit.data(), {T, 2}), p3,
+          lse_p, seqs, o);
+    REQUIRE(rel_error(out, packed) <= 1e-12);
+    for (index_t h = 0; h < 4; ++h)
+      for (index_t i = 0; i < T; ++i)
+        REQUIRE(std::abs(lse(0, h, i) - lse_p(h, i)) <= 1e-12 * (1 + std::abs(lse_p(h, i))));
+  }
+}
+
+TEST_CASE("modifiers: visible_range functors in the backward (finite differences)",
+          "[modifiers][functor]") {
+  std::uint64_t seed = 6600;
+  for (Kind kind : {Kind::plain, Kind::v1, Kind::v1_heads, Kind::v2}) {
+    Case c{kind, 2, 23, 31, 2, 1, 8};
+    c.causal = true;
+    c.softcap = 2.0f;
+    c.sinks = true;
+    set_visible(c, JumpRanges{});
+    check_gradients(c, seed++, JumpRanges{});
+    Case n{kind, 1, 19, 13, 2, 1, 8};  // N > M, no sinks: empty rows give zeros
+    set_visible(n, JumpRanges{});
+    check_gradients(n, seed++, JumpRanges{});
+    Case p{kind, 1, 20, 20, 2, 1, 8};
+    const PrefixRanges plm{{6}};
+    set_visible(p, plm);
+    check_gradients(p, seed++, plm);
+    p.sinks = true;
     check_gradients(p, seed++, plm);
   }
 }

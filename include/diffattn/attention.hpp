@@ -163,9 +163,11 @@ void attention(detail::nondeduced_view<const T, 4> q, detail::nondeduced_view<co
 /// caller's translation unit (also under diffattn::dispatch, which cannot run
 /// a user's type). Each query block's keys are narrowed to those `visible`
 /// leaves it (score_mods.hpp, clamp_rows): whole key ranges that no row of
-/// the block sees cost only the functor's evaluations. Decoding steps (fewer
-/// than 6 queries) call it in the decoding kernel, on each row's keys of each
-/// split-KV chunk. A NaN from score makes its row NaN, as a NaN input does.
+/// the block sees cost only the functor's evaluations; with visible_range
+/// each row is narrowed to its range and visible is never called (one call
+/// per row instead of one per pair). Decoding steps (fewer than 6 queries)
+/// call it in the decoding kernel, on each row's keys of each split-KV chunk.
+/// A NaN from score makes its row NaN, as a NaN input does.
 /// @{
 
 /// diff_attention_v1 (one lambda) with a user score functor `mod`.

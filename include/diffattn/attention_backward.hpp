@@ -109,7 +109,8 @@ void attention_backward(detail::nondeduced_view<const T, 4> q,
 /// `score` must define `dscore` (d score / d s, s the score it was given),
 /// else the call does not compile. Each query block's keys are narrowed to
 /// those `visible` leaves it, as in the forward (clamp_rows); inside that
-/// range the functor is evaluated on every pair.
+/// range the functor is evaluated on every pair, or (visible_range) each row
+/// is masked by its range.
 /// @{
 
 /// diff_attention_v1_backward (one lambda) with the forward's functor `mod`.

@@ -66,12 +66,23 @@ struct AttentionOptions {
 ///   template \<class S\> S score(S s, index_t b, index_t h, index_t i, index_t j) const;
 ///   bool visible(index_t b, index_t h, index_t i, index_t j) const;
 ///   template \<class S\> S dscore(S s, index_t b, index_t h, index_t i, index_t j) const;
+///   int visible_block(index_t b, index_t h, index_t i0, index_t i1, index_t j0, index_t j1) const;
+///   std::pair\<index_t, index_t\> visible_range(index_t b, index_t h, index_t i) const;
 /// score replaces the (capped, biased) score s of query i and key j of query
 /// head h in batch entry b; visible false masks the pair; dscore is
 /// d score / d s, which a backward call needs when score is defined. In a
 /// packed batch b is the sequence and i, j count within it; over KV caches j
 /// is the key's index in sequence b's cache and i the query's position there
 /// (its row + cache_seqlens(b) - n).
+///
+/// visible_block and visible_range only speed up `visible`, which must be
+/// defined with them. visible_block classifies the pairs [i0, i1) x [j0, j1):
+/// 0 none visible, 2 all, 1 some (or unknown). visible_range gives the keys
+/// [first, second) query i sees, exactly those for which visible is true
+/// (first >= second: none; the ends may lie outside the keys): the kernels
+/// then mask each row by its range, one call per row, and never call visible
+/// (document masks, prefix-LM, windows: any mask whose rows see one run of
+/// keys). With both, visible_range is used.
 struct NoScoreMod {};
 
 /// The standard ALiBi slopes (Press et al., BLOOM) of n heads: for n a power

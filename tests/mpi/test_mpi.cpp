@@ -104,10 +104,21 @@ struct DocBlocks {
   }
 };
 
+/// The same documents as visible_range (each row's document), which the ring
+/// must shift to the pair's keys.
+struct DocRanges {
+  index_t doc;
+  bool visible(index_t, index_t, index_t i, index_t j) const { return i / doc == j / doc; }
+  std::pair<index_t, index_t> visible_range(index_t, index_t, index_t i) const {
+    return {i / doc * doc, i / doc * doc + doc};
+  }
+};
+
 template <class M>
 const char* mod_name() {
   if (std::is_same<M, DocWarp>::value) return " functor DocWarp";
   if (std::is_same<M, DocBlocks>::value) return " functor DocBlocks";
+  if (std::is_same<M, DocRanges>::value) return " functor DocRanges";
   return "";
 }
 
@@ -584,6 +595,8 @@ int main(int argc, char** argv) {
         run_case<double>(v2c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
         run_case<double>(plc, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocBlocks{doc});
         run_case<float>(plk, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocRanges{doc});
+        run_case<double>(plc, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocRanges{doc});
       }
     }
     // A communicator of one rank: the single-process case on every rank.

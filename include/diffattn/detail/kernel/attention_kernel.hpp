@@ -61,6 +61,10 @@ struct FusedRows {
   Mod mod{};
   static constexpr bool kFunctor = is_active_mod<Mod, C>;
   static constexpr bool kVisible = has_visible<Mod>::value;
+  /// Rows may hold -inf inside the range functor_scores leaves them (a mask
+  /// pair by pair, or a score functor's -inf next to visible_range).
+  static constexpr bool kMasked =
+      kVisible && (!has_visible_range<Mod>::value || has_score<Mod, C>::value);
 
   /// Step 4, query i of sequence sq: the scores of its n visible keys (from
   /// key kb) of map 1 at w and of map 2 at w2 (nullptr for one map) become
@@ -99,9 +103,16 @@ struct FusedRows {
     for (int m = 0; m < (w2 ? 2 : 1); ++m) {
       const RowMods<C> rm = row_mods(p, hm.q[m]);
       modify_scores(rows[m], n, rm, diag, kb);
+      // Under visible_range the softmax runs over the row's range only, the
+      // keys outside it weigh 0.
+      std::pair<index_t, index_t> t{0, n};
       if constexpr (kFunctor)
-        functor_scores(mod, rows[m], n, mc.b, hm.q[m], i - sq.q0 + mc.ioff, kb);
-      const RowStats<C> st = kVisible ? exp_row_masked(rows[m], n) : exp_row(rows[m], n, false);
+        t = functor_scores(mod, rows[m], n, mc.b, hm.q[m], i - sq.q0 + mc.ioff, kb);
+      C* x = rows[m] + t.first;
+      const index_t len = t.second - t.first;
+      const RowStats<C> st = kMasked ? exp_row_masked(x, len) : exp_row(x, len, false);
+      std::fill(rows[m], x, C(0));
+      std::fill(x + len, rows[m] + n, C(0));
       SinkNorm<C> sn{st.sum > C(0) ? C(1) / st.sum : C(0), row_lse(st)};
       if (rm.has_sink) sn = sink_norm(st, rm.sink);
       if (p.has_lse()) p.lse(sq.b, hm.q[m], i) = sn.lse;
@@ -227,8 +238,12 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
   if (!cached && kend_block > kbase) {
     // Under a window the band slides left block by block (blocks run last to
     // first): pack kPackAhead blocks' worth of keys further left as well, so
-    // that the next blocks this thread takes find their keys packed.
-    const index_t pbegin = std::max<index_t>(0, kbase - Cfg::kPackAhead * BM) / NR * NR;
+    // that the next blocks this thread takes find their keys packed. Without
+    // one the band starts at key 0, and only a functor's `visible` moves a
+    // block's start (to the next document's, say): the keys left of it are
+    // not the next blocks' keys.
+    const index_t ahead = p.band.left >= 0 ? Cfg::kPackAhead * BM : 0;
+    const index_t pbegin = std::max<index_t>(0, kbase - ahead) / NR * NR;
     const index_t prows = kend_block - pbegin;
     for (int m = 0; m < kbufs; ++m) {
       const index_t kh = hm.k[m];

@@ -22,56 +22,89 @@
 #include "../../options.hpp"
 #include "../core/validate.hpp"
 #include "block_info.hpp"
+#include "tile.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
 /// Members of a user score functor (options.hpp, NoScoreMod), detected at
 /// compile time: a member that is absent adds nothing to the kernels.
-template <class Mod, class S, class = void>
-struct has_score : std::false_type {};
+/// detected<void, Op, A...> is true when Op<A...> is well-formed.
+template <class, template <class...> class Op, class... A>
+struct detected : std::false_type {};
+template <template <class...> class Op, class... A>
+struct detected<std::void_t<Op<A...>>, Op, A...> : std::true_type {};
+
 template <class Mod, class S>
-struct has_score<Mod, S,
-                 std::void_t<decltype(std::declval<const Mod&>().score(
-                     std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
-    : std::true_type {};
-template <class Mod, class = void>
-struct has_visible : std::false_type {};
+using score_call = decltype(std::declval<const Mod&>().score(std::declval<S>(), index_t(),
+                                                             index_t(), index_t(), index_t()));
+template <class Mod, class S>
+using dscore_call = decltype(std::declval<const Mod&>().dscore(std::declval<S>(), index_t(),
+                                                               index_t(), index_t(), index_t()));
 template <class Mod>
-struct has_visible<Mod, std::void_t<decltype(static_cast<bool>(std::declval<const Mod&>().visible(
-                            index_t(), index_t(), index_t(), index_t())))>> : std::true_type {};
-template <class Mod, class S, class = void>
-struct has_dscore : std::false_type {};
+using visible_call = decltype(static_cast<bool>(
+    std::declval<const Mod&>().visible(index_t(), index_t(), index_t(), index_t())));
+template <class Mod>
+using visible_block_call = decltype(static_cast<int>(std::declval<const Mod&>().visible_block(
+    index_t(), index_t(), index_t(), index_t(), index_t(), index_t())));
+template <class Mod>
+using visible_range_call = decltype(std::pair<index_t, index_t>(
+    std::declval<const Mod&>().visible_range(index_t(), index_t(), index_t())));
+
 template <class Mod, class S>
-struct has_dscore<Mod, S,
-                  std::void_t<decltype(std::declval<const Mod&>().dscore(
-                      std::declval<S>(), index_t(), index_t(), index_t(), index_t()))>>
-    : std::true_type {};
+using has_score = detected<void, score_call, Mod, S>;
+template <class Mod>
+using has_visible = detected<void, visible_call, Mod>;
+template <class Mod, class S>
+using has_dscore = detected<void, dscore_call, Mod, S>;
 /// Optional with `visible`: visible_block(b, h, i0, i1, j0, j1) classifies the
 /// pairs [i0, i1) x [j0, j1): 0 when none is visible, 2 when all are, 1 when
 /// some are (or it cannot tell cheaply). FlexAttention's block mask, asked
 /// for each block instead of stored.
-template <class Mod, class = void>
-struct has_visible_block : std::false_type {};
 template <class Mod>
-struct has_visible_block<
-    Mod, std::void_t<decltype(static_cast<int>(std::declval<const Mod&>().visible_block(
-             index_t(), index_t(), index_t(), index_t(), index_t(), index_t())))>>
-    : std::true_type {};
+using has_visible_block = detected<void, visible_block_call, Mod>;
+/// Optional with `visible`: visible_range(b, h, i) returns the keys [lo, hi)
+/// query i sees (std::pair<index_t, index_t>; lo >= hi: none), exactly those
+/// for which visible(b, h, i, j) is true. The kernels then mask by the range,
+/// one call per row, and never call `visible` (document masks, prefix-LM,
+/// sliding windows: every mask whose rows see one run of keys).
+template <class Mod>
+using has_visible_range = detected<void, visible_range_call, Mod>;
 /// Keys per chunk classified by visible_block.
 constexpr index_t kVisibleChunk = 64;
 
+/// True, or a compile error when the functor's members do not fit together
+/// (visible_range without visible: the MPI ring, among others, calls visible).
+template <class Mod>
+constexpr bool mod_members_ok() {
+  static_assert(!has_visible_range<Mod>::value || has_visible<Mod>::value,
+                "a functor with `visible_range` must define `visible` as well (the same mask, "
+                "pair by pair)");
+  return true;
+}
+
 /// A functor the kernels must call (score or visible).
 template <class Mod, class S>
-constexpr bool is_active_mod = has_score<Mod, S>::value || has_visible<Mod>::value;
+constexpr bool is_active_mod = mod_members_ok<Mod>() &&
+                               (has_score<Mod, S>::value || has_visible<Mod>::value);
+
+/// The first and one past the last of the n keys kb .. kb + n - 1 that lie in
+/// [lo, hi), as offsets from kb (first == last: none).
+inline std::pair<index_t, index_t> range_in(index_t lo, index_t hi, index_t kb, index_t n) {
+  const index_t a = lo <= kb ? 0 : std::min(n, lo - kb);
+  const index_t e = hi <= kb ? 0 : std::min(n, hi - kb);
+  return {a, std::max(a, e)};
+}
 
 /// The functor's score and mask on the n scores w of keys kb .. kb + n - 1 of
 /// query i (batch entry b, query head h), after the run-time modifiers: a
 /// masked pair becomes -inf. When `score_in` is given it receives the scores
 /// the functor's score was given (the backward's dscore takes them).
+/// Returns the offsets [first, second) outside which every score is masked:
+/// the row's range under visible_range, else [0, n).
 template <class Mod, class C>
-void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index_t i, index_t kb,
-                    C* score_in = nullptr) {
+std::pair<index_t, index_t> functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h,
+                                           index_t i, index_t kb, C* score_in = nullptr) {
   if constexpr (has_score<Mod, C>::value) {
     for (index_t t = 0; t < n; ++t) {
       if (score_in) score_in[t] = w[t];
@@ -80,7 +113,14 @@ void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index
   }
   if constexpr (has_visible<Mod>::value) {
     constexpr C ninf = -std::numeric_limits<C>::infinity();
-    if constexpr (has_visible_block<Mod>::value) {
+    if constexpr (has_visible_range<Mod>::value) {
+      // One call per row: the keys outside its range are masked.
+      const std::pair<index_t, index_t> r = mod.visible_range(b, h, i);
+      const std::pair<index_t, index_t> t = range_in(r.first, r.second, kb, n);
+      std::fill(w, w + t.first, ninf);
+      std::fill(w + t.second, w + n, ninf);
+      return t;
+    } else if constexpr (has_visible_block<Mod>::value) {
       // Chunks that visible_block calls all visible or none cost one call.
       for (index_t t0 = 0; t0 < n; t0 += kVisibleChunk) {
         const index_t t1 = std::min(n, t0 + kVisibleChunk);
@@ -95,6 +135,7 @@ void functor_scores(const Mod& mod, C* w, index_t n, index_t b, index_t h, index
     }
   }
   (void)mod, (void)w, (void)n, (void)b, (void)h, (void)i, (void)kb, (void)score_in;
+  return {0, n};
 }
 
 /// What a user functor is told about the rows of sequence sq: `b`, the batch
@@ -188,14 +229,78 @@ ClampedRows clamp_rows(const Mod& mod, const BlockRows& br, index_t b, index_t i
   return cr;
 }
 
+/// The rows of a block, each narrowed to the keys the functor's
+/// visible_range gives it (its maps' ranges joined). Each row's [begin, end)
+/// is widened just enough that begin and end stay non-decreasing, as the
+/// kernels' tiles require: end the largest of the rows' ends up to this one,
+/// begin the smallest of the rows' begins from this one on (a row inside a
+/// wider neighbour's range is masked to its own by functor_scores).
+struct RangedRows : BlockRows {
+  static constexpr index_t kMaxRows = 64;  // >= TileConfig<C>::kBlockM
+  index_t lo[kMaxRows], hi[kMaxRows];
+  index_t begin(index_t ii) const { return lo[ii]; }
+  index_t end(index_t ii) const { return hi[ii]; }
+  index_t count(index_t ii) const { return std::max<index_t>(0, hi[ii] - lo[ii]); }
+};
+static_assert(TileConfig<float>::kBlockM <= RangedRows::kMaxRows &&
+                  TileConfig<double>::kBlockM <= RangedRows::kMaxRows,
+              "RangedRows holds a block's rows");
+
+/// range_rows: clamp_rows for a functor with visible_range, one call per row
+/// and map instead of a search of the band.
+template <class Mod>
+RangedRows range_rows(const Mod& mod, const BlockRows& br, index_t b, index_t ioff,
+                      const index_t* qh, int maps) {
+  RangedRows rr;
+  static_cast<BlockRows&>(rr) = br;
+  constexpr index_t kNone = std::numeric_limits<index_t>::max();
+  index_t hull_lo = kNone, hull_hi = -kNone;
+  bool seen[RangedRows::kMaxRows];
+  for (index_t ii = 0; ii < br.rows; ++ii) {
+    // The row's keys in its band, joined over the maps.
+    index_t lo = kNone, hi = -kNone;
+    const index_t kb = br.begin(ii), n = br.count(ii);
+    for (int m = 0; m < maps; ++m) {
+      const std::pair<index_t, index_t> r = mod.visible_range(b, qh[m], br.i0 + ii + ioff);
+      const std::pair<index_t, index_t> t = range_in(r.first, r.second, kb, n);
+      if (t.first == t.second) continue;
+      lo = std::min(lo, kb + t.first);
+      hi = std::max(hi, kb + t.second);
+    }
+    seen[ii] = lo < hi;
+    rr.lo[ii] = lo;
+    rr.hi[ii] = hi;
+    hull_lo = std::min(hull_lo, lo);
+    hull_hi = std::max(hull_hi, hi);
+  }
+  if (hull_lo >= hull_hi) {  // nothing visible: every row empty
+    std::fill(rr.lo, rr.lo + br.rows, br.begin(0));
+    std::fill(rr.hi, rr.hi + br.rows, br.begin(0));
+    return rr;
+  }
+  for (index_t ii = br.rows, run = hull_hi; ii-- > 0;) {
+    if (seen[ii]) run = std::min(run, rr.lo[ii]);
+    rr.lo[ii] = run;
+  }
+  for (index_t ii = 0, run = hull_lo; ii < br.rows; ++ii) {
+    if (seen[ii]) run = std::max(run, rr.hi[ii]);
+    rr.hi[ii] = run;
+  }
+  return rr;
+}
+
 /// A block's rows as the kernels walk them: the band's, or (a functor with
-/// `visible`) narrowed by clamp_rows for the maps of output head hm.
+/// `visible`) narrowed by clamp_rows (range_rows with visible_range) for the
+/// maps of output head hm.
 template <class Mod, class T, class KV>
 auto visible_rows(const Mod& mod, const AttentionProblem<T, KV>& p, const SeqSpan& sq,
                   const BlockRows& br, const HeadMap& hm) {
   if constexpr (has_visible<Mod>::value) {
     const ModCoords mc = mod_coords(p, sq);
-    return clamp_rows(mod, br, mc.b, mc.ioff, hm.q, p.maps());
+    if constexpr (has_visible_range<Mod>::value)
+      return range_rows(mod, br, mc.b, mc.ioff, hm.q, p.maps());
+    else
+      return clamp_rows(mod, br, mc.b, mc.ioff, hm.q, p.maps());
   } else {
     (void)mod, (void)p, (void)sq, (void)hm;
     return br;

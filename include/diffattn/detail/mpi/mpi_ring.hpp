@@ -224,6 +224,11 @@ struct RingMod {
     return static_cast<int>(
         user->visible_block(b, head(h), gq0 + i0, gq0 + i1, gk0 + j0, gk0 + j1));
   }
+  template <class M = Mod, std::enable_if_t<has_visible_range<M>::value, int> = 0>
+  std::pair<index_t, index_t> visible_range(index_t b, index_t h, index_t i) const {
+    const std::pair<index_t, index_t> r = user->visible_range(b, head(h), gq0 + i);
+    return {r.first - gk0, r.second - gk0};
+  }
 };
 
 /// Calls f with the functor of map m's pair of query run qr and key run kr:
