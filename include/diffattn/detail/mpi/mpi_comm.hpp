@@ -135,6 +135,27 @@ class RingComm {
     return sum;
   }
 
+  /// MPI_Allgather of n elements from every rank into all (rank r's at r n).
+  template <class T>
+  void allgather(const T* mine, T* all, index_t n) {
+    const double t0 = mpi_now();
+    const int c = mpi_count(n, fn_);
+    mpi_check(MPI_Allgather(mine, c, mpi_type<T>(), all, c, mpi_type<T>(), comm_), fn_,
+              "MPI_Allgather");
+    wait_seconds += mpi_now() - t0;
+    bytes_sent += static_cast<std::uint64_t>(n) * sizeof(T) * static_cast<std::uint64_t>(size_ - 1);
+  }
+  /// MPI_Alltoall of n elements per pair of ranks: send's r-th n to rank r,
+  /// rank r's n at recv + r n.
+  template <class T>
+  void alltoall(const T* send, T* recv, index_t n) {
+    const double t0 = mpi_now();
+    const int c = mpi_count(n, fn_);
+    mpi_check(MPI_Alltoall(send, c, mpi_type<T>(), recv, c, mpi_type<T>(), comm_), fn_,
+              "MPI_Alltoall");
+    wait_seconds += mpi_now() - t0;
+    bytes_sent += static_cast<std::uint64_t>(n) * sizeof(T) * static_cast<std::uint64_t>(size_ - 1);
+  }
   double wait_seconds = 0;
   std::uint64_t bytes_sent = 0;
 

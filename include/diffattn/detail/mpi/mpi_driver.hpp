@@ -21,6 +21,7 @@
 #include "../../tensor.hpp"
 #include "../core/validate.hpp"
 #include "mpi_comm.hpp"
+#include "mpi_gather.hpp"
 #include "mpi_ring.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -188,6 +189,10 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
     return;
   }
   const RingProblem<T> rp = ring_problem(p, options, s);
+  if (p.kind == AttnKind::v1) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
+    gathered_v1_forward(rc, rp, p, options, mod);
+    return;
+  }
   std::vector<int> maps = rp.maps() == 2 ? std::vector<int>{0, 1} : std::vector<int>{0};
   std::vector<Tensor<T, 4>> o;
   std::vector<Tensor<T, 3>> lse;
@@ -234,6 +239,8 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   }
   const AttentionProblem<T>& p = bp.fwd;
   const RingProblem<T> rp = ring_problem(p, options, s);
+  if (p.kind == AttnKind::v1)  // the keys gathered, the fused backward (mpi_gather.hpp)
+    return gathered_v1_backward(rc, rp, bp, options, mod);
   const int maps = rp.maps();
   const std::array<index_t, 4> oshape = {rp.B, rp.n, rp.H, rp.dv};
   std::vector<Tensor<T, 4>> o, o2;
@@ -312,18 +319,12 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   ring_backward(rp, rc, o_m, lse_m, dout_m, delta_m, dq_m, grad, mod);
   // Gradients to the caller's layout.
   for (index_t b = 0; b < rp.B; ++b)
-    for (index_t i = 0; i < rp.n; ++i) {
+    for (index_t i = 0; i < rp.n; ++i)
       for (int m = 0; m < maps; ++m)
         for (index_t h = 0; h < rp.H; ++h)
           std::copy(&dq_m[m](b, i, h, 0), &dq_m[m](b, i, h, 0) + rp.d,
                     &bp.dq(b, i, maps == 2 ? 2 * h + m : h, 0));
-      const T* gk = grad.data() + (b * rp.n + i) * rp.Hk * rp.d;
-      for (index_t h = 0; h < rp.Hk; ++h)
-        std::copy(gk + h * rp.d, gk + (h + 1) * rp.d, &bp.dk(b, i, h, 0));
-      const T* gv = grad.data() + rp.k_elems() + (b * rp.n + i) * rp.Hkv * rp.dv;
-      for (index_t h = 0; h < rp.Hkv; ++h)
-        std::copy(gv + h * rp.dv, gv + (h + 1) * rp.dv, &bp.dv(b, i, h, 0));
-    }
+  write_kv_grads(rp, grad, bp);
   return dlambda_sum;
 }
 

@@ -228,7 +228,8 @@ struct RingMod {
 
 /// Calls f with the functor of map m's pair of query run qr and key run kr:
 /// the user's NoScoreMod itself when there is neither ALiBi nor a user
-/// functor (the kernels without one, as before), else a RingMod.
+/// functor (the kernels without one, as before), else a RingMod. m = -1: a
+/// call of the fused kernel on q's own heads (both maps at once).
 template <class T, class Mod, class F>
 void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardRun& qr,
                    const ShardRun& kr, F&& f) {
@@ -239,8 +240,8 @@ void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardR
     r.slopes = rp.alibi_slopes;
     r.gq0 = qr.global;
     r.gk0 = kr.global;
-    r.hmul = rp.kind == AttnKind::plain ? 1 : 2;
-    r.hadd = rp.kind == AttnKind::plain ? 0 : m;
+    r.hmul = rp.kind == AttnKind::plain || m < 0 ? 1 : 2;
+    r.hadd = rp.kind == AttnKind::plain || m < 0 ? 0 : m;
     return r;
   };
   if (alibi) {
@@ -265,6 +266,22 @@ void pack_block(const RingProblem<T>& rp, T* block) {
     for (index_t i = 0; i < rp.n; ++i)
       for (index_t h = 0; h < rp.Hkv; ++h, vb += rp.dv)
         std::copy(&rp.v(b, i, h, 0), &rp.v(b, i, h, 0) + rp.dv, vb);
+}
+
+/// The rank's dk (B, n, Hk, d) and dv (B, n, Hkv, dv) from their sum in
+/// block layout (as pack_block lays out k and v).
+template <class T>
+void write_kv_grads(const RingProblem<T>& rp, const Tensor<T, 1>& grad,
+                    const BackwardProblem<T>& bp) {
+  for (index_t b = 0; b < rp.B; ++b)
+    for (index_t i = 0; i < rp.n; ++i) {
+      const T* gk = grad.data() + (b * rp.n + i) * rp.Hk * rp.d;
+      for (index_t h = 0; h < rp.Hk; ++h)
+        std::copy(gk + h * rp.d, gk + (h + 1) * rp.d, &bp.dk(b, i, h, 0));
+      const T* gv = grad.data() + rp.k_elems() + (b * rp.n + i) * rp.Hkv * rp.dv;
+      for (index_t h = 0; h < rp.Hkv; ++h)
+        std::copy(gv + h * rp.dv, gv + (h + 1) * rp.dv, &bp.dv(b, i, h, 0));
+    }
 }
 
 constexpr int kTagBlock = 7201;  // key/value blocks
