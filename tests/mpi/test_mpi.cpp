@@ -278,6 +278,10 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
     cmp("dlambda",
         std::abs(double(dlambdal) - double(dlambda)) / std::max(1.0, std::abs(double(dlambda))),
         tb);
+  if (c.kind == Kind::v1)
+    check(c.per_head ? same_on_all_ranks(comm, dlambdasl.data(), dlambdasl.size())
+                     : same_on_all_ranks(comm, &dlambdal, 1),
+          name + ": dlambda differs between the ranks");
   if (c.kind == Kind::v2)
     cmp("dlambda_logit", rel_error(dlogitl, dm::shard(dlogit, rank, world, s)), tb);
   if (c.mods.sinks) {

@@ -138,28 +138,33 @@ class RingComm {
   /// MPI_Allgather of n elements from every rank into all (rank r's at r n).
   template <class T>
   void allgather(const T* mine, T* all, index_t n) {
-    const double t0 = mpi_now();
     const int c = mpi_count(n, fn_);
-    mpi_check(MPI_Allgather(mine, c, mpi_type<T>(), all, c, mpi_type<T>(), comm_), fn_,
-              "MPI_Allgather");
-    wait_seconds += mpi_now() - t0;
-    bytes_sent += static_cast<std::uint64_t>(n) * sizeof(T) * static_cast<std::uint64_t>(size_ - 1);
+    exchange(n * static_cast<index_t>(sizeof(T)), "MPI_Allgather",
+             [&] { return MPI_Allgather(mine, c, mpi_type<T>(), all, c, mpi_type<T>(), comm_); });
   }
   /// MPI_Alltoall of n elements per pair of ranks: send's r-th n to rank r,
   /// rank r's n at recv + r n.
   template <class T>
   void alltoall(const T* send, T* recv, index_t n) {
-    const double t0 = mpi_now();
     const int c = mpi_count(n, fn_);
-    mpi_check(MPI_Alltoall(send, c, mpi_type<T>(), recv, c, mpi_type<T>(), comm_), fn_,
-              "MPI_Alltoall");
-    wait_seconds += mpi_now() - t0;
-    bytes_sent += static_cast<std::uint64_t>(n) * sizeof(T) * static_cast<std::uint64_t>(size_ - 1);
+    exchange(n * static_cast<index_t>(sizeof(T)), "MPI_Alltoall",
+             [&] { return MPI_Alltoall(send, c, mpi_type<T>(), recv, c, mpi_type<T>(), comm_); });
   }
   double wait_seconds = 0;
   std::uint64_t bytes_sent = 0;
 
  private:
+  /// Runs one collective that sends `bytes` to each other rank: its time
+  /// counts as waiting, its bytes as sent.
+  template <class F>
+  void exchange(index_t bytes, const char* what, F&& call) {
+    const double t0 = mpi_now();
+    const int rc = call();
+    wait_seconds += mpi_now() - t0;
+    mpi_check(rc, fn_, what);
+    bytes_sent += static_cast<std::uint64_t>(bytes) * static_cast<std::uint64_t>(size_ - 1);
+  }
+
   const char* fn_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

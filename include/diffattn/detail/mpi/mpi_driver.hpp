@@ -346,6 +346,20 @@ void ring_forward_call(MPI_Comm comm, const char* fn, const AttentionOptions& op
   finish_stats(stats, rc, t0);
 }
 
+/// mpi::diff_attention_v1 with one lambda (lambda) or one per DIFF head
+/// (lambda_heads).
+template <class T, class Mod>
+void ring_v1_forward(MPI_Comm comm, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                     TensorView<const T, 4> v, const T* lambda,
+                     const TensorView<const T, 1>* lambda_heads, TensorView<T, 4> out,
+                     TensorView<T, 3> lse, const AttentionOptions& options, mpi::Sharding sharding,
+                     mpi::RingStats* stats, const Mod& mod) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
+  ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return validate_v1<T>(q, k, v, lambda, lambda_heads, out, lse, options, fn); }, mod);
+}
+
 /// One collective backward call, as ring_forward_call with `validate` giving
 /// the backward problem. Returns V1's dlambda summed over every rank (one per
 /// DIFF head with per-head lambda, else one); empty for the other kinds.
