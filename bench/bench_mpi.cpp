@@ -2,17 +2,14 @@
 //
 //   mpirun -np 2 ./build/bench/bench_mpi [--n 16384] [--heads 2] [--d 64] [--reps 3]
 //
-// DIFF V1, causal, float. Baselines on rank 0 alone (the other ranks sleep,
-// not spin): the fused single-process kernel, and the ring's own arithmetic
-// in one process: each map's state by the plain kernel on that map's heads
-// (the ring needs one (o, lse) state per map to merge across ranks, so V1
-// costs 2d + 2 x 2d multiply-adds per pair against the fused kernel's
-// 2d + 2d: 1.5x). A one-rank communicator runs the fused kernel itself.
-// Then the ring over all ranks, zigzag and contiguous: time of the slowest
-// rank, the largest fraction of a call spent waiting on MPI, bytes sent.
-// Best of --reps runs each. Last, the zigzag ring's forward with score
-// modifiers (softcap; ALiBi over global positions; sinks) against the same
-// ring without, the calls interleaved, as ratios of the best times.
+// DIFF V1, then V2 for comparison, causal, float, forward and backward.
+// Baseline on rank 0 alone (the other ranks sleep, not spin): the fused
+// single-process kernels. Then the MPI calls over all ranks, zigzag and
+// contiguous (V1: the keys gathered, the fused kernels on each rank's rows;
+// V2: the ring with per-map states): time of the slowest rank, the largest
+// fraction of a call spent in MPI, bytes sent. Best of --reps runs each. Last, the zigzag ring's
+// forward with score modifiers (softcap; ALiBi over global positions; sinks) against the same ring
+// without, the calls interleaved, as ratios of the best times.
 //
 //   mpirun -np 2 ./build/bench/bench_mpi --decode [--keys 262144] [--bf16] [--reps 5]
 //
@@ -193,17 +190,36 @@ void bench_decode(int rank, int world, index_t M, int reps) {
   cb.cache_seqlens = diffattn::TensorView<const index_t, 1>(lens.data(), {1});
   Tensor<float, 4> out({B, n, H, d});
   Tensor<float, 3> lse({B, 2 * H, n});
-  double best = 1e30, comm = 0, bytes_read = 0, state = 0;
+  // Per step, every rank's (seconds, comm_seconds, ready_seconds): the step
+  // is the slowest rank's time; the rank that reached the state exchange last
+  // waited for nobody, so its comm_seconds is the collectives' own cost; the
+  // largest comm_seconds adds the wait for the slower rank (imbalance).
+  double best = 1e30, own = 0, worst_comm = 0, skew = 0, bytes_read = 0, state = 0;
   for (int r = 0; r < reps; ++r) {
     dm::DecodeStats st;
     MPI_Barrier(MPI_COMM_WORLD);
     dm::diff_attention_v2_kvcache<float, KV>(MPI_COMM_WORLD, q, k, v, logit, out, lse, cb, o, &st);
-    double mine[3] = {st.seconds, st.comm_seconds / st.seconds, double(st.bytes_read)}, worst[3];
-    MPI_Allreduce(mine, worst, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    if (worst[0] < best) {
-      best = worst[0];
-      comm = worst[1];
-      bytes_read = worst[2];
+    const double mine[4] = {st.seconds, st.comm_seconds, st.ready_seconds, double(st.bytes_read)};
+    std::vector<double> all(4 * static_cast<std::size_t>(world));
+    MPI_Allgather(mine, 4, MPI_DOUBLE, all.data(), 4, MPI_DOUBLE, MPI_COMM_WORLD);
+    double step = 0, ready_lo = 1e30, ready_hi = -1, comm_hi = 0, own_comm = 0, read = 0;
+    for (int w = 0; w < world; ++w) {
+      const double* a = all.data() + 4 * w;
+      step = std::max(step, a[0]);
+      comm_hi = std::max(comm_hi, a[1]);
+      read = std::max(read, a[3]);
+      ready_lo = std::min(ready_lo, a[2]);
+      if (a[2] > ready_hi) {
+        ready_hi = a[2];
+        own_comm = a[1];
+      }
+    }
+    if (step < best) {
+      best = step;
+      own = own_comm / step;
+      worst_comm = comm_hi / step;
+      skew = (ready_hi - ready_lo) / step;
+      bytes_read = read;
       state = double(st.state_bytes);
     }
   }
@@ -211,9 +227,14 @@ void bench_decode(int rank, int world, index_t M, int reps) {
     char label[64];
     std::snprintf(label, sizeof label, "%d ranks, sharded step (slowest rank)", world);
     std::printf(
-        "  %-40s %9.3f ms   speed-up %.2fx (vs single-process)   communication <= %.1f%% "
-        "of the step   states %.1f KiB per rank   K/V read %.0f MiB per rank\n",
-        label, best * 1e3, single / best, 100 * comm, state / 1024, bytes_read / (1 << 20));
+        "  %-40s %9.3f ms   speed-up %.2fx (vs single-process)   states %.1f KiB per rank   "
+        "K/V read %.0f MiB per rank\n",
+        label, best * 1e3, single / best, state / 1024, bytes_read / (1 << 20));
+    std::printf(
+        "  %-40s collectives' own cost %.2f%% of the step (the rank that came last);   "
+        "largest share in MPI %.2f%% (with waiting for the slower rank);   ranks reached the "
+        "exchange %.2f%% of the step apart\n",
+        "", 100 * own, 100 * worst_comm, 100 * skew);
   }
   bench_collectives(rank, world, B * n * 2 * H, d, 2000);
   bench_collectives(rank, world, 64 * 2 * H, d, 200);
@@ -255,59 +276,103 @@ int main(int argc, char** argv) {
   o.causal = true;
   o.num_threads = 1;
   const auto q = random4({B, N, 2 * H, d}, 1), k = random4({B, N, 2 * Hkv, d}, 2),
-             v = random4({B, N, Hkv, 2 * d}, 3);
+             v = random4({B, N, Hkv, 2 * d}, 3), dout = random4({B, N, H, 2 * d}, 4);
+  // V2 for comparison: 2H query heads on Hkv kv heads of d.
+  const auto k2 = random4({B, N, Hkv, d}, 5), v2 = random4({B, N, Hkv, d}, 6),
+             dout2 = random4({B, N, H, d}, 7);
+  Tensor<float, 3> logit({B, N, H});
+  logit.fill(0.3f);
   if (rank == 0)
-    std::printf("DIFF V1 causal, B=1, H=%lld, d=%lld, N=%lld, float, 1 thread per process\n",
+    std::printf("DIFF causal, B=1, H=%lld, d=%lld, N=%lld, float, 1 thread per process\n",
                 static_cast<long long>(H), static_cast<long long>(d), static_cast<long long>(N));
-  double fused = 1e30, self_ring = 1e30;
-  on_root_alone(rank, [&] {
-    Tensor<float, 4> out({B, N, H, 2 * d});
-    Tensor<float, 3> lse({B, 2 * H, N});
-    for (int r = 0; r < reps; ++r) {
-      const double t0 = now();
-      diffattn::diff_attention_v1<float>(q, k, v, lambda, out, lse, o);
-      fused = std::min(fused, now() - t0);
-    }
-    Tensor<float, 4> o_map({B, N, H, 2 * d});
-    Tensor<float, 3> l_map({B, H, N});
-    for (int r = 0; r < reps; ++r) {
-      const double t0 = now();
-      for (int m = 0; m < 2; ++m)
-        diffattn::attention<float>(diffattn::map_heads<const float>(q.view(), m),
-                                   diffattn::map_heads<const float>(k.view(), m), v, o_map, l_map,
-                                   o);
-      self_ring = std::min(self_ring, now() - t0);
-    }
-    std::printf("  %-36s %8.3f s\n", "1 process, fused kernel", fused);
-    std::printf("  %-36s %8.3f s\n", "1 process, per-map states", self_ring);
-  });
-  for (dm::Sharding s : {dm::Sharding::zigzag, dm::Sharding::contiguous}) {
-    const auto ql = dm::shard(q, rank, world, s), kl = dm::shard(k, rank, world, s),
-               vl = dm::shard(v, rank, world, s);
-    const index_t n = ql.shape(1);
-    Tensor<float, 4> out({B, n, H, 2 * d});
-    Tensor<float, 3> lse({B, 2 * H, n});
-    double best = 1e30, wait_frac = 0, bytes = 0;
-    for (int r = 0; r < reps; ++r) {
-      dm::RingStats st;
-      MPI_Barrier(MPI_COMM_WORLD);
-      dm::diff_attention_v1<float>(MPI_COMM_WORLD, ql, kl, vl, lambda, out, lse, o, s, &st);
-      double mine[2] = {st.seconds, st.wait_seconds / st.seconds}, worst[2];
-      MPI_Allreduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-      if (worst[0] < best) {
-        best = worst[0];
-        wait_frac = worst[1];
-        bytes = double(st.bytes_sent);
+  for (int kind = 1; kind <= 2; ++kind) {
+    const bool v1 = kind == 1;
+    const index_t dv = v1 ? 2 * d : d;
+    const auto& kk = v1 ? k : k2;
+    const auto& vv = v1 ? v : v2;
+    const auto& dd = v1 ? dout : dout2;
+    // Forward then backward of one call, single-process or over comm.
+    auto fwd = [&](MPI_Comm comm, const Tensor<float, 4>& ql, const Tensor<float, 4>& kl,
+                   const Tensor<float, 4>& vl, const Tensor<float, 3>& ll, Tensor<float, 4>& out,
+                   Tensor<float, 3>& lse, dm::Sharding s, dm::RingStats* st) {
+      if (comm == MPI_COMM_NULL && v1)
+        diffattn::diff_attention_v1<float>(ql, kl, vl, lambda, out, lse, o);
+      else if (comm == MPI_COMM_NULL)
+        diffattn::diff_attention_v2<float>(ql, kl, vl, ll, out, lse, o);
+      else if (v1)
+        dm::diff_attention_v1<float>(comm, ql, kl, vl, lambda, out, lse, o, s, st);
+      else
+        dm::diff_attention_v2<float>(comm, ql, kl, vl, ll, out, lse, o, s, st);
+    };
+    auto bwd = [&](MPI_Comm comm, const Tensor<float, 4>& ql, const Tensor<float, 4>& kl,
+                   const Tensor<float, 4>& vl, const Tensor<float, 3>& ll,
+                   const Tensor<float, 4>& out, const Tensor<float, 3>& lse,
+                   const Tensor<float, 4>& gl, dm::Sharding s, dm::RingStats* st) {
+      Tensor<float, 4> dq(ql.shape()), dk(kl.shape()), dvg(vl.shape());
+      Tensor<float, 3> dlogit(ll.shape());
+      float dlambda = 0;
+      if (comm == MPI_COMM_NULL && v1)
+        diffattn::diff_attention_v1_backward<float>(ql, kl, vl, lambda, out, lse, gl, dq, dk, dvg,
+                                                    dlambda, o);
+      else if (comm == MPI_COMM_NULL)
+        diffattn::diff_attention_v2_backward<float>(ql, kl, vl, ll, out, lse, gl, dq, dk, dvg,
+                                                    dlogit, o);
+      else if (v1)
+        dm::diff_attention_v1_backward<float>(comm, ql, kl, vl, lambda, out, lse, gl, dq, dk, dvg,
+                                              dlambda, o, s, st);
+      else
+        dm::diff_attention_v2_backward<float>(comm, ql, kl, vl, ll, out, lse, gl, dq, dk, dvg,
+                                              dlogit, o, s, st);
+    };
+    double fused[2] = {1e30, 1e30};
+    on_root_alone(rank, [&] {
+      Tensor<float, 4> out({B, N, H, dv});
+      Tensor<float, 3> lse({B, 2 * H, N});
+      for (int r = 0; r < reps; ++r) {
+        double t0 = now();
+        fwd(MPI_COMM_NULL, q, kk, vv, logit, out, lse, dm::Sharding::zigzag, nullptr);
+        fused[0] = std::min(fused[0], now() - t0);
+        t0 = now();
+        bwd(MPI_COMM_NULL, q, kk, vv, logit, out, lse, dd, dm::Sharding::zigzag, nullptr);
+        fused[1] = std::min(fused[1], now() - t0);
       }
-    }
-    if (rank == 0) {
-      char label[64];
-      std::snprintf(label, sizeof label, "%d ranks, ring, %s", world,
-                    s == dm::Sharding::zigzag ? "zigzag" : "contiguous");
-      std::printf(
-          "  %-36s %8.3f s   speed-up %.2f (vs fused) %.2f (vs per-map states)   "
-          "waiting on MPI <= %.1f%%   sent %.1f MiB per rank\n",
-          label, best, fused / best, self_ring / best, 100 * wait_frac, bytes / (1 << 20));
+      std::printf("  V%d 1 process, fused kernel: forward %8.3f s, backward %8.3f s\n", kind,
+                  fused[0], fused[1]);
+    });
+    MPI_Bcast(fused, 2, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    for (dm::Sharding s : {dm::Sharding::zigzag, dm::Sharding::contiguous}) {
+      const auto ql = dm::shard(q, rank, world, s), kl = dm::shard(kk, rank, world, s),
+                 vl = dm::shard(vv, rank, world, s), gl = dm::shard(dd, rank, world, s);
+      const auto ll = dm::shard(logit, rank, world, s);
+      const index_t n = ql.shape(1);
+      Tensor<float, 4> out({B, n, H, dv});
+      Tensor<float, 3> lse({B, 2 * H, n});
+      // Per pass: the slowest rank's best time, its largest fraction waiting on MPI, bytes sent.
+      double best[2] = {1e30, 1e30}, wait_frac[2] = {0, 0}, bytes[2] = {0, 0};
+      for (int r = 0; r < reps; ++r)
+        for (int pass = 0; pass < 2; ++pass) {
+          dm::RingStats st;
+          MPI_Barrier(MPI_COMM_WORLD);
+          if (pass == 0)
+            fwd(MPI_COMM_WORLD, ql, kl, vl, ll, out, lse, s, &st);
+          else
+            bwd(MPI_COMM_WORLD, ql, kl, vl, ll, out, lse, gl, s, &st);
+          double mine[2] = {st.seconds, st.wait_seconds / st.seconds}, worst[2];
+          MPI_Allreduce(mine, worst, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+          if (worst[0] < best[pass]) {
+            best[pass] = worst[0];
+            wait_frac[pass] = worst[1];
+            bytes[pass] = double(st.bytes_sent);
+          }
+        }
+      if (rank == 0)
+        for (int pass = 0; pass < 2; ++pass)
+          std::printf(
+              "  V%d %d ranks, %-10s %-8s %8.3f s   speed-up %.2fx (vs fused)   waiting on MPI "
+              "<= %.1f%%   sent %.1f MiB per rank\n",
+              kind, world, s == dm::Sharding::zigzag ? "zigzag," : "contiguous,",
+              pass == 0 ? "forward" : "backward", best[pass], fused[pass] / best[pass],
+              100 * wait_frac[pass], bytes[pass] / (1 << 20));
     }
   }
   {

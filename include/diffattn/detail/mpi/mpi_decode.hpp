@@ -35,8 +35,14 @@ namespace mpi {
 
 /// What one sharded decoding call did on the calling rank.
 struct DecodeStats {
-  double seconds = 0;             ///< wall time of the call
-  double comm_seconds = 0;        ///< time in the collectives (length exchange, state all-gather)
+  double seconds = 0;       ///< wall time of the call
+  double comm_seconds = 0;  ///< time in the collectives (length exchange, state all-gather)
+  /// Time from the start of the call until this rank reached the state
+  /// all-gather (its checks and its own slice's states). The rank that
+  /// reached it last waited for nobody there: its comm_seconds is the
+  /// collectives' own cost; another rank's exceeds that by its wait for the
+  /// slower ranks (the difference of these times).
+  double ready_seconds = 0;
   std::uint64_t state_bytes = 0;  ///< bytes of per-map states this rank contributed
   std::uint64_t keys_read = 0;    ///< cache rows (tokens) of this rank's slice that were attended
   std::uint64_t bytes_read = 0;   ///< cache bytes those rows hold (keys, values, 8-bit scales)
@@ -352,6 +358,7 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
   }
   std::vector<C> gathered(static_cast<std::size_t>(per_rank) * W);
   tc = mpi_now();
+  if (stats) stats->ready_seconds = tc - t0;
   mpi_check(MPI_Allgather(payload.data(), mpi_count(per_rank, fn), mpi_type<C>(), gathered.data(),
                           mpi_count(per_rank, fn), mpi_type<C>(), rc.get()),
             fn, "MPI_Allgather");
