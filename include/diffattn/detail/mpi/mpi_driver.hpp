@@ -101,24 +101,18 @@ std::vector<HeaderField> ring_header(const char* fn, const AttentionProblem<T>& 
   if (s == mpi::Sharding::zigzag && p.seqlen_q % 2 != 0)
     fail(fn, "zigzag sharding needs an even number of tokens per rank (two chunks of N / 2W), got ",
          p.seqlen_q, " (q ", shape_str(p.q.shape()), "); N must be a multiple of 2W");
-  return {{"the scalar size", static_cast<std::int64_t>(sizeof(T))},
-          {"the batch size B", p.q.shape(0)},
-          {"the tokens per rank", p.q.shape(1)},
-          {"the query heads", p.q.shape(2)},
-          {"the key heads", p.k.shape(2)},
-          {"the value heads", p.v.shape(2)},
-          {"the head width d", p.q.shape(3)},
-          {"the value width", p.v.shape(3)},
-          {"options.causal", o.causal ? 1 : 0},
-          {"options.window_left", o.window_left},
-          {"options.window_right", o.window_right},
-          {"options.scale", bits_of(o.scale)},
-          {"lambda", lambda_bits(p)},
-          {"the sharding", static_cast<std::int64_t>(s)},
-          {"options.softcap", bits_of(static_cast<double>(o.softcap))},
-          {"options.alibi_slopes", modifier_bits(o.alibi_slopes)},
-          {"options.sinks", modifier_bits(o.sinks)},
-          {"whether dsinks is wanted", 0}};
+  return header_with_shapes({{"the scalar size", static_cast<std::int64_t>(sizeof(T))}},
+                            "the tokens per rank", p.q, p.k, p.v,
+                            {{"options.causal", o.causal ? 1 : 0},
+                             {"options.window_left", o.window_left},
+                             {"options.window_right", o.window_right},
+                             {"options.scale", bits_of(o.scale)},
+                             {"lambda", lambda_bits(p)},
+                             {"the sharding", static_cast<std::int64_t>(s)},
+                             {"options.softcap", bits_of(static_cast<double>(o.softcap))},
+                             {"options.alibi_slopes", modifier_bits(o.alibi_slopes)},
+                             {"options.sinks", modifier_bits(o.sinks)},
+                             {"whether dsinks is wanted", 0}});
 }
 
 template <class T>
@@ -189,7 +183,7 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
     return;
   }
   const RingProblem<T> rp = ring_problem(p, options, s);
-  if (p.kind == AttnKind::v1) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
+  if (v1_gathers(rp, rc.size())) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
     gathered_v1_forward(rc, rp, p, options, mod);
     return;
   }
@@ -239,7 +233,7 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   }
   const AttentionProblem<T>& p = bp.fwd;
   const RingProblem<T> rp = ring_problem(p, options, s);
-  if (p.kind == AttnKind::v1)  // the keys gathered, the fused backward (mpi_gather.hpp)
+  if (v1_gathers(rp, rc.size()))  // the keys gathered, the fused backward (mpi_gather.hpp)
     return gathered_v1_backward(rc, rp, bp, options, mod);
   const int maps = rp.maps();
   const std::array<index_t, 4> oshape = {rp.B, rp.n, rp.H, rp.dv};

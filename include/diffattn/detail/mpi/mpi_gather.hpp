@@ -21,7 +21,10 @@
 // on each rank's rows, and zigzag sharding still balances it under a causal
 // mask. The price is memory: every rank holds the whole sequence's K and V
 // (and in the backward their gradients) during the call, N (4 Hkv d) values
-// for V1, where the ring holds two shards.
+// for V1, where the ring holds two shards. So V1 gathers only while the whole
+// sequence's K and V take at most v1_gather_limit() bytes (256 MiB: the
+// forward then holds about twice that, the backward five times); beyond, it
+// runs the ring with per-map states like V2.
 #pragma once
 
 #include <algorithm>
@@ -41,6 +44,22 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
+
+/// The largest gathered K and V (bytes per rank) for which V1 gathers
+/// instead of running the ring; the same on every rank (tests lower it to
+/// run the ring).
+inline std::uint64_t& v1_gather_limit() {
+  static std::uint64_t limit = std::uint64_t(256) << 20;
+  return limit;
+}
+
+/// Whether a V1 call over `world` ranks gathers its keys and values: a
+/// decision from agreed shapes alone, so every rank takes the same.
+template <class T>
+bool v1_gathers(const RingProblem<T>& rp, int world) {
+  const double bytes = static_cast<double>(rp.block_elems()) * world * sizeof(T);
+  return rp.kind == AttnKind::v1 && bytes <= static_cast<double>(v1_gather_limit());
+}
 
 /// The whole sequence's keys (B, N, Hk, d) and values (B, N, Hkv, dv), in
 /// global token order.
