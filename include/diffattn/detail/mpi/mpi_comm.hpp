@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -175,6 +176,26 @@ struct HeaderField {
   const char* name;
   std::int64_t value;
 };
+
+/// The shape fields the ranks of every collective call compare, after
+/// `first`: the batch size, the tokens per rank (named `tokens`), the query
+/// heads, the head width, the key heads, the value heads, the value width;
+/// then `rest`.
+template <class Q, class K, class V>
+std::vector<HeaderField> header_with_shapes(std::initializer_list<HeaderField> first,
+                                            const char* tokens, const Q& q, const K& k, const V& v,
+                                            std::initializer_list<HeaderField> rest) {
+  const HeaderField shapes[] = {{"the batch size B", q.shape(0)}, {tokens, q.shape(1)},
+                                {"the query heads", q.shape(2)},  {"the head width d", q.shape(3)},
+                                {"the key heads", k.shape(2)},    {"the value heads", v.shape(2)},
+                                {"the value width", v.shape(3)}};
+  std::vector<HeaderField> h;
+  h.reserve(first.size() + 7 + rest.size());
+  for (const HeaderField& f : first) h.push_back(f);
+  for (const HeaderField& f : shapes) h.push_back(f);
+  for (const HeaderField& f : rest) h.push_back(f);
+  return h;
+}
 
 /// Collective agreement, before any ring traffic. Each rank passes whether its
 /// own checks passed (and the message if not) and its header; every rank gets

@@ -140,26 +140,21 @@ std::vector<HeaderField> shard_header(const char* fn, const AttentionProblem<T, 
     fail(fn, "alibi_slopes with ", p.seqlen_q,
          " new queries per sequence needs causal = true (or window_right = 0): a rank's keys "
          "then lie on one side of every query");
-  return {{"the query type", storage_code<T>()},
-          {"the cache type", storage_code<KV>()},
-          {"the kernel (plain, V1, V2)", static_cast<std::int64_t>(p.kind)},
-          {"the batch size B", p.q.shape(0)},
-          {"the new queries n", p.q.shape(1)},
-          {"the query heads", p.q.shape(2)},
-          {"the head width d", p.q.shape(3)},
-          {"the key heads", p.k.shape(2)},
-          {"the value heads", p.v.shape(2)},
-          {"the value width", p.v.shape(3)},
-          {"whether lse is wanted", p.has_lse() ? 1 : 0},
-          {"q (its values)", view_hash(p.q)},
-          {"lambda", lambda},
-          {"options.causal", o.causal ? 1 : 0},
-          {"options.window_left", o.window_left},
-          {"options.window_right", o.window_right},
-          {"options.scale", bits_of(o.scale)},
-          {"options.softcap", bits_of(static_cast<double>(o.softcap))},
-          {"options.alibi_slopes", o.alibi_slopes.empty() ? 0 : view_hash(o.alibi_slopes)},
-          {"options.sinks", o.sinks.empty() ? 0 : view_hash(o.sinks)}};
+  return header_with_shapes(
+      {{"the query type", storage_code<T>()},
+       {"the cache type", storage_code<KV>()},
+       {"the kernel (plain, V1, V2)", static_cast<std::int64_t>(p.kind)}},
+      "the new queries n", p.q, p.k, p.v,
+      {{"whether lse is wanted", p.has_lse() ? 1 : 0},
+       {"q (its values)", view_hash(p.q)},
+       {"lambda", lambda},
+       {"options.causal", o.causal ? 1 : 0},
+       {"options.window_left", o.window_left},
+       {"options.window_right", o.window_right},
+       {"options.scale", bits_of(o.scale)},
+       {"options.softcap", bits_of(static_cast<double>(o.softcap))},
+       {"options.alibi_slopes", o.alibi_slopes.empty() ? 0 : view_hash(o.alibi_slopes)},
+       {"options.sinks", o.sinks.empty() ? 0 : view_hash(o.sinks)}});
 }
 
 /// Query heads m, m + 2, ... of a (H2) vector.
