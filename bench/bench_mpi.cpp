@@ -203,33 +203,44 @@ void bench_decode(int rank, int world, index_t M, int reps) {
   cb.cache_seqlens = diffattn::TensorView<const index_t, 1>(lens.data(), {1});
   Tensor<float, 4> out({B, n, H, d});
   Tensor<float, 3> lse({B, 2 * H, n});
-  // Per step, every rank's (seconds, comm_seconds, ready_seconds): the step
-  // is the slowest rank's time; the rank that reached the state exchange last
-  // waited for nobody, so its comm_seconds is the collectives' own cost; the
-  // largest comm_seconds adds the wait for the slower rank (imbalance).
-  double best = 1e30, own = 0, worst_comm = 0, skew = 0, bytes_read = 0, state = 0;
+  // Per step, every rank's (seconds, comm_seconds, ready_seconds,
+  // exchange_seconds, bytes read): the step is the slowest rank's time. The
+  // rank that reached the state exchange last waited for nobody there: its
+  // exchange_seconds is the all-gather's own cost; the largest
+  // exchange_seconds adds the wait for the slower rank (imbalance); the rest
+  // of comm_seconds (communicator, argument and length exchanges) is given
+  // apart.
+  double best = 1e30, own = 0, worst_ex = 0, setup = 0, worst_comm = 0, skew = 0, bytes_read = 0,
+         state = 0;
   for (int r = 0; r < reps; ++r) {
     dm::DecodeStats st;
     MPI_Barrier(MPI_COMM_WORLD);
     dm::diff_attention_v2_kvcache<float, KV>(MPI_COMM_WORLD, q, k, v, logit, out, lse, cb, o, &st);
-    const double mine[4] = {st.seconds, st.comm_seconds, st.ready_seconds, double(st.bytes_read)};
-    std::vector<double> all(4 * static_cast<std::size_t>(world));
-    MPI_Allgather(mine, 4, MPI_DOUBLE, all.data(), 4, MPI_DOUBLE, MPI_COMM_WORLD);
-    double step = 0, ready_lo = 1e30, ready_hi = -1, comm_hi = 0, own_comm = 0, read = 0;
+    constexpr int F = 5;
+    const double mine[F] = {st.seconds, st.comm_seconds, st.ready_seconds, st.exchange_seconds,
+                            double(st.bytes_read)};
+    std::vector<double> all(F * static_cast<std::size_t>(world));
+    MPI_Allgather(mine, F, MPI_DOUBLE, all.data(), F, MPI_DOUBLE, MPI_COMM_WORLD);
+    double step = 0, ready_lo = 1e30, ready_hi = -1, comm_hi = 0, ex_hi = 0, own_ex = 0,
+           setup_hi = 0, read = 0;
     for (int w = 0; w < world; ++w) {
-      const double* a = all.data() + 4 * w;
+      const double* a = all.data() + F * w;
       step = std::max(step, a[0]);
       comm_hi = std::max(comm_hi, a[1]);
-      read = std::max(read, a[3]);
+      ex_hi = std::max(ex_hi, a[3]);
+      setup_hi = std::max(setup_hi, a[1] - a[3]);
+      read = std::max(read, a[4]);
       ready_lo = std::min(ready_lo, a[2]);
       if (a[2] > ready_hi) {
         ready_hi = a[2];
-        own_comm = a[1];
+        own_ex = a[3];
       }
     }
     if (step < best) {
       best = step;
-      own = own_comm / step;
+      own = own_ex / step;
+      worst_ex = ex_hi / step;
+      setup = setup_hi / step;
       worst_comm = comm_hi / step;
       skew = (ready_hi - ready_lo) / step;
       bytes_read = read;
@@ -244,10 +255,11 @@ void bench_decode(int rank, int world, index_t M, int reps) {
         "K/V read %.0f MiB per rank\n",
         label, best * 1e3, single / best, state / 1024, bytes_read / (1 << 20));
     std::printf(
-        "  %-40s collectives' own cost %.2f%% of the step (the rank that came last);   "
-        "largest share in MPI %.2f%% (with waiting for the slower rank);   ranks reached the "
-        "exchange %.2f%% of the step apart\n",
-        "", 100 * own, 100 * worst_comm, 100 * skew);
+        "  %-40s state all-gather: its own cost %.3f%% of the step (on the rank that came "
+        "last), with waiting for the slower rank up to %.2f%%; the ranks reached it %.2f%% of "
+        "the step apart; setup collectives (communicator, arguments, lengths) up to %.2f%%; all "
+        "MPI up to %.2f%%\n",
+        "", 100 * own, 100 * worst_ex, 100 * skew, 100 * setup, 100 * worst_comm);
   }
   bench_collectives(rank, world, B * n * 2 * H, d, 2000);
   bench_collectives(rank, world, 64 * 2 * H, d, 200);
@@ -358,6 +370,46 @@ int main(int argc, char** argv) {
           kind, fused[0], fused[2], fused[1], fused[3]);
     });
     MPI_Bcast(fused, 4, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    if (v1) {
+      // Each rank's own computation under zigzag sharding (the fused kernel on
+      // each of its query runs against the keys before it), timed one rank
+      // after the other on rank 0 alone: what the MPI call computes on that
+      // rank, free of the share of a core it gets when the ranks run at once.
+      on_root_alone(rank, [&] {
+        const index_t c = N / (2 * world);
+        auto rows = [&](const Tensor<float, 4>& x, index_t r0, index_t len) {
+          return diffattn::TensorView<const float, 4>(x.data() + r0 * x.view().stride(1),
+                                                      {x.shape(0), len, x.shape(2), x.shape(3)},
+                                                      x.view().strides());
+        };
+        double slowest[2] = {0, 0};
+        std::printf("  V1 zigzag, each rank's fused work timed alone (forward, backward):");
+        for (int r = 0; r < world; ++r) {
+          double t[2] = {1e30, 1e30};
+          for (int rep = 0; rep < reps; ++rep) {
+            double sum[2] = {0, 0};
+            for (index_t g : {index_t(r) * c, (2 * index_t(world) - 1 - r) * c}) {
+              const auto qr = rows(q, g, c), kr = rows(kk, 0, g + c), vr = rows(vv, 0, g + c);
+              Tensor<float, 4> out({B, c, H, dv}), dq(qr.shape()), dk(kr.shape()), dvg(vr.shape());
+              Tensor<float, 3> lse({B, 2 * H, c});
+              float dl = 0;
+              double t0 = now();
+              diffattn::diff_attention_v1<float>(qr, kr, vr, lambda, out, lse, o);
+              sum[0] += now() - t0;
+              t0 = now();
+              diffattn::diff_attention_v1_backward<float>(qr, kr, vr, lambda, out, lse,
+                                                          rows(dd, g, c), dq, dk, dvg, dl, o);
+              sum[1] += now() - t0;
+            }
+            for (int pass = 0; pass < 2; ++pass) t[pass] = std::min(t[pass], sum[pass]);
+          }
+          for (int pass = 0; pass < 2; ++pass) slowest[pass] = std::max(slowest[pass], t[pass]);
+          std::printf(" rank %d %.3f s, %.3f s;", r, t[0], t[1]);
+        }
+        std::printf(" fused / slowest rank: %.2fx, %.2fx\n", fused[0] / slowest[0],
+                    fused[1] / slowest[1]);
+      });
+    }
     for (dm::Sharding s : {dm::Sharding::zigzag, dm::Sharding::contiguous}) {
       const auto ql = dm::shard(q, rank, world, s), kl = dm::shard(kk, rank, world, s),
                  vl = dm::shard(vv, rank, world, s), gl = dm::shard(dd, rank, world, s);

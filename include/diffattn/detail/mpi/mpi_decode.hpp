@@ -43,6 +43,9 @@ struct DecodeStats {
   /// collectives' own cost; another rank's exceeds that by its wait for the
   /// slower ranks (the difference of these times).
   double ready_seconds = 0;
+  /// Time in the state all-gather alone (part of comm_seconds; the rest is the
+  /// communicator's duplication and the argument and length exchanges).
+  double exchange_seconds = 0;
   std::uint64_t state_bytes = 0;  ///< bytes of per-map states this rank contributed
   std::uint64_t keys_read = 0;    ///< cache rows (tokens) of this rank's slice that were attended
   std::uint64_t bytes_read = 0;   ///< cache bytes those rows hold (keys, values, 8-bit scales)
@@ -357,7 +360,9 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
   mpi_check(MPI_Allgather(payload.data(), mpi_count(per_rank, fn), mpi_type<C>(), gathered.data(),
                           mpi_count(per_rank, fn), mpi_type<C>(), rc.get()),
             fn, "MPI_Allgather");
-  comm_s += mpi_now() - tc;
+  const double exchange_s = mpi_now() - tc;
+  comm_s += exchange_s;
+  if (stats) stats->exchange_seconds = exchange_s;
   if (payload[0] != C(0)) throw error(local_error);
   for (int r = 0; r < W; ++r)
     if (gathered[static_cast<std::size_t>(r) * per_rank] != C(0))
