@@ -9,7 +9,9 @@
 // V2: the ring with per-map states): time of the slowest rank, the largest
 // fraction of a call spent in MPI, bytes sent. Best of --reps runs each.
 // The speed-up also in CPU time (the fused call's against the busiest rank's):
-// on shared cores wall time follows each process's share of a core. Last, the zigzag ring's
+// on shared cores wall time follows each process's share of a core. For V1
+// with zigzag sharding, each rank's own computation (the fused kernel on its
+// query runs) is also timed alone on rank 0, in CPU time. Last, the zigzag ring's
 // forward with score modifiers (softcap; ALiBi over global positions; sinks) against the same ring
 // without, the calls interleaved, as ratios of the best times.
 //

@@ -62,7 +62,9 @@ namespace mpi {
 /// against the keys it sees; its backward runs the fused backward likewise
 /// and returns each rank's dK and dV by one MPI_Alltoall, added in rank
 /// order. The price: during a V1 call every rank holds the whole sequence's
-/// K and V (and in the backward their gradients), N (4 Hkv d) values each.
+/// K and V (and in the backward their gradients), B N (4 Hkv d) values each;
+/// so V1 gathers only while they take at most 256 MiB per rank, and beyond
+/// runs the ring with per-map states, as V2.
 ///
 /// Collective: every rank of `comm` must call with the same options, lambda,
 /// sharding and shard shapes. Before any ring traffic the ranks exchange these
