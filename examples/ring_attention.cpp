@@ -7,9 +7,12 @@
 //
 // 1. A shorter sequence is sharded, run on the ring (forward and backward),
 //    gathered on rank 0 and compared with the single-process kernels there.
-// 2. The long sequence: every rank makes only its own shard (nobody holds the
-//    whole sequence), runs V1 and V2, and reports its time, the bytes it sent
-//    and the fraction of the time it waited on communication.
+// 2. The long sequence: every rank makes only its own shard, runs V1 and V2,
+//    and reports its time, the bytes it sent and the fraction of the time it
+//    waited on communication. V2 runs the ring (no rank holds the whole
+//    sequence); V1 gathers the keys and values while they take at most 256 MiB
+//    per rank (here: 64k tokens x 256 floats = 64 MiB), and runs the ring
+//    beyond (docs/mpi.md).
 #include <mpi.h>
 
 #include <algorithm>

@@ -50,14 +50,21 @@ namespace mpi {
 /// (causal: window_right = 0; -1 drops a limit). Pairs of chunks outside the
 /// band are never computed.
 ///
-/// Algorithm: ring attention. Each rank keeps its queries; the key/value
-/// shards travel around the ring (MPI_Isend / MPI_Irecv to the neighbours),
-/// the next one arriving while the current one is computed. Each softmax map
-/// keeps its own (o, lse) state, merged exactly (merge_states); lambda is
-/// subtracted after the last merge. The differential kernels run each map on
-/// the plain kernel, so V1 does 1.5x the arithmetic of the fused
-/// single-process kernel (two products with the 2d-wide values instead of
-/// one), V2 4/3 x.
+/// Algorithm: ring attention for plain attention and V2. Each rank keeps its
+/// queries; the key/value shards travel around the ring (MPI_Isend /
+/// MPI_Irecv to the neighbours), the next one arriving while the current one
+/// is computed. Each softmax map keeps its own (o, lse) state, merged exactly
+/// (merge_states); lambda is subtracted after the last merge. V2 thus does
+/// 4/3 x the arithmetic of the fused single-process kernel (two products with
+/// the values instead of one). V1 (values 2d wide, where that would be 1.5x)
+/// instead gathers the key/value shards of all ranks (one MPI_Allgather) and
+/// runs the fused single-process kernel on each run of the rank's queries
+/// against the keys it sees; its backward runs the fused backward likewise
+/// and returns each rank's dK and dV by one MPI_Alltoall, added in rank
+/// order. The price: during a V1 call every rank holds the whole sequence's
+/// K and V (and in the backward their gradients), B N (4 Hkv d) values each;
+/// so V1 gathers only while they take at most 256 MiB per rank, and beyond
+/// runs the ring with per-map states, as V2.
 ///
 /// Collective: every rank of `comm` must call with the same options, lambda,
 /// sharding and shard shapes. Before any ring traffic the ranks exchange these
@@ -70,9 +77,10 @@ namespace mpi {
 /// Score modifiers (options.softcap, alibi_slopes, sinks) and user functors
 /// act as in the single-process kernels on the gathered sequence: ALiBi and a
 /// functor's i and j are global positions (the token's index in the whole
-/// sequence, whatever the sharding), h the query head of q. Every pair of
-/// shards gets the softcap, ALiBi and the functor; each map's sink is merged
-/// into its state once, after the ring. The backward's dsinks (Hq), when
+/// sequence, whatever the sharding), h the query head of q. In the ring every
+/// pair of shards gets the softcap, ALiBi and the functor; each map's sink is
+/// merged into its state once, after the ring (V1: the fused kernel takes
+/// them all, as in one process). The backward's dsinks (Hq), when
 /// given, is summed over every rank's rows, the same bits on every rank. The
 /// ranks check that they pass the same softcap, slopes and sinks; a functor's
 /// members are the caller's to keep alike on every rank.
@@ -159,11 +167,8 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 3> lse, const AttentionOptions& options,
                        const Mod& mod, Sharding sharding = Sharding::zigzag,
                        RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  detail::ring_forward_call<T>(
-      comm, fn, options, sharding, stats,
-      [&] { return detail::validate_v1<T>(q, k, v, &lambda, nullptr, out, lse, options, fn); },
-      mod);
+  detail::ring_v1_forward<T>(comm, q, k, v, &lambda, nullptr, out, lse, options, sharding, stats,
+                             mod);
 }
 
 /// mpi::diff_attention_v1 (one lambda per DIFF head) with a user score functor `mod`.
@@ -174,11 +179,8 @@ void diff_attention_v1(MPI_Comm comm, detail::nondeduced_view<const T, 4> q,
                        detail::nondeduced_view<T, 4> out, detail::nondeduced_view<T, 3> lse,
                        const AttentionOptions& options, const Mod& mod,
                        Sharding sharding = Sharding::zigzag, RingStats* stats = nullptr) {
-  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
-  detail::ring_forward_call<T>(
-      comm, fn, options, sharding, stats,
-      [&] { return detail::validate_v1<T>(q, k, v, nullptr, &lambda, out, lse, options, fn); },
-      mod);
+  detail::ring_v1_forward<T>(comm, q, k, v, nullptr, &lambda, out, lse, options, sharding, stats,
+                             mod);
 }
 
 /// mpi::diff_attention_v2 with a user score functor `mod`.

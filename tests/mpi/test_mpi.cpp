@@ -289,6 +289,10 @@ void run_case(const Case& c, std::uint64_t seed, MPI_Comm comm, int rank, int wo
     cmp("dlambda",
         std::abs(double(dlambdal) - double(dlambda)) / std::max(1.0, std::abs(double(dlambda))),
         tb);
+  if (c.kind == Kind::v1)
+    check(c.per_head ? same_on_all_ranks(comm, dlambdasl.data(), dlambdasl.size())
+                     : same_on_all_ranks(comm, &dlambdal, 1),
+          name + ": dlambda differs between the ranks");
   if (c.kind == Kind::v2)
     cmp("dlambda_logit", rel_error(dlogitl, dm::shard(dlogit, rank, world, s)), tb);
   if (c.mods.sinks) {
@@ -582,6 +586,15 @@ int main(int argc, char** argv) {
       run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
       run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
     }
+    // V1 beyond the size it gathers its keys at: the ring with per-map states.
+    diffattn::detail::v1_gather_limit() = 0;
+    for (const std::vector<Case>* list : {&cases, &mod_cases})
+      for (const Case& c : *list)
+        if (c.kind == Kind::v1) {
+          run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
+          run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
+        }
+    diffattn::detail::v1_gather_limit() = std::uint64_t(256) << 20;
     // User functors, i and j global: documents across shard boundaries.
     for (Sharding s : {Sharding::zigzag, Sharding::contiguous}) {
       const Case v1c{Kind::v1, 1, 2 * W * 7, 2, 1, 8, true, -1, -1, s, false, all};
@@ -590,8 +603,11 @@ int main(int argc, char** argv) {
       const Case plc{Kind::plain, 2, 2 * W * 11, 4, 2, 8, false, -1, -1, s, false, all};
       const Case plk{Kind::plain, 1, 2 * W * 12, 2, 1, 8, true, -1, -1, s, false, {}};
       for (index_t doc : {index_t(5), index_t(W * 7 + 3)}) {
-        run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
-        run_case<float>(v1h, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        for (std::uint64_t limit : {std::uint64_t(0), std::uint64_t(256) << 20}) {
+          diffattn::detail::v1_gather_limit() = limit;  // V1 on the ring, then gathered
+          run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+          run_case<float>(v1h, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+        }
         run_case<double>(v2c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
         run_case<double>(plc, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocBlocks{doc});
         run_case<float>(plk, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});

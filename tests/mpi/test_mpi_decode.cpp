@@ -301,10 +301,11 @@ void run_case(const DCase& c, std::uint64_t seed, const char* types, double tol,
         what + ": 1 and 2 threads give the same bits");
   std::uint64_t keys = 0;
   for (index_t b = 0; b < c.B; ++b) keys += static_cast<std::uint64_t>(p.len[b]);
-  check(
-      st.keys_read <= keys && (g_world == 1 || st.state_bytes > 0) && st.seconds >= st.comm_seconds,
-      what + ": stats (keys read " + std::to_string(st.keys_read) + " of " + std::to_string(keys) +
-          ")");
+  check(st.keys_read <= keys && (g_world == 1 || st.state_bytes > 0) &&
+            st.seconds >= st.comm_seconds && st.seconds >= st.ready_seconds &&
+            st.comm_seconds >= st.exchange_seconds && (g_world == 1 || st.ready_seconds > 0),
+        what + ": stats (keys read " + std::to_string(st.keys_read) + " of " +
+            std::to_string(keys) + ")");
 }
 
 /// Every rank must throw (never hang); returns whether this rank threw.

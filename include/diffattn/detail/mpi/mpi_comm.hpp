@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -135,10 +136,36 @@ class RingComm {
     return sum;
   }
 
+  /// MPI_Allgather of n elements from every rank into all (rank r's at r n).
+  template <class T>
+  void allgather(const T* mine, T* all, index_t n) {
+    const int c = mpi_count(n, fn_);
+    exchange(n * static_cast<index_t>(sizeof(T)), "MPI_Allgather",
+             [&] { return MPI_Allgather(mine, c, mpi_type<T>(), all, c, mpi_type<T>(), comm_); });
+  }
+  /// MPI_Alltoall of n elements per pair of ranks: send's r-th n to rank r,
+  /// rank r's n at recv + r n.
+  template <class T>
+  void alltoall(const T* send, T* recv, index_t n) {
+    const int c = mpi_count(n, fn_);
+    exchange(n * static_cast<index_t>(sizeof(T)), "MPI_Alltoall",
+             [&] { return MPI_Alltoall(send, c, mpi_type<T>(), recv, c, mpi_type<T>(), comm_); });
+  }
   double wait_seconds = 0;
   std::uint64_t bytes_sent = 0;
 
  private:
+  /// Runs one collective that sends `bytes` to each other rank: its time
+  /// counts as waiting, its bytes as sent.
+  template <class F>
+  void exchange(index_t bytes, const char* what, F&& call) {
+    const double t0 = mpi_now();
+    const int rc = call();
+    wait_seconds += mpi_now() - t0;
+    mpi_check(rc, fn_, what);
+    bytes_sent += static_cast<std::uint64_t>(bytes) * static_cast<std::uint64_t>(size_ - 1);
+  }
+
   const char* fn_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
@@ -149,6 +176,26 @@ struct HeaderField {
   const char* name;
   std::int64_t value;
 };
+
+/// The shape fields the ranks of every collective call compare, after
+/// `first`: the batch size, the tokens per rank (named `tokens`), the query
+/// heads, the head width, the key heads, the value heads, the value width;
+/// then `rest`.
+template <class Q, class K, class V>
+std::vector<HeaderField> header_with_shapes(std::initializer_list<HeaderField> first,
+                                            const char* tokens, const Q& q, const K& k, const V& v,
+                                            std::initializer_list<HeaderField> rest) {
+  const HeaderField shapes[] = {{"the batch size B", q.shape(0)}, {tokens, q.shape(1)},
+                                {"the query heads", q.shape(2)},  {"the head width d", q.shape(3)},
+                                {"the key heads", k.shape(2)},    {"the value heads", v.shape(2)},
+                                {"the value width", v.shape(3)}};
+  std::vector<HeaderField> h;
+  h.reserve(first.size() + 7 + rest.size());
+  for (const HeaderField& f : first) h.push_back(f);
+  for (const HeaderField& f : shapes) h.push_back(f);
+  for (const HeaderField& f : rest) h.push_back(f);
+  return h;
+}
 
 /// Collective agreement, before any ring traffic. Each rank passes whether its
 /// own checks passed (and the message if not) and its header; every rank gets

@@ -35,8 +35,17 @@ namespace mpi {
 
 /// What one sharded decoding call did on the calling rank.
 struct DecodeStats {
-  double seconds = 0;             ///< wall time of the call
-  double comm_seconds = 0;        ///< time in the collectives (length exchange, state all-gather)
+  double seconds = 0;       ///< wall time of the call
+  double comm_seconds = 0;  ///< time in the collectives (length exchange, state all-gather)
+  /// Time from the start of the call until this rank reached the state
+  /// all-gather (its checks and its own slice's states). The rank that
+  /// reached it last waited for nobody there: its comm_seconds is the
+  /// collectives' own cost; another rank's exceeds that by its wait for the
+  /// slower ranks (the difference of these times).
+  double ready_seconds = 0;
+  /// Time in the state all-gather alone (part of comm_seconds; the rest is the
+  /// communicator's duplication and the argument and length exchanges).
+  double exchange_seconds = 0;
   std::uint64_t state_bytes = 0;  ///< bytes of per-map states this rank contributed
   std::uint64_t keys_read = 0;    ///< cache rows (tokens) of this rank's slice that were attended
   std::uint64_t bytes_read = 0;   ///< cache bytes those rows hold (keys, values, 8-bit scales)
@@ -134,26 +143,21 @@ std::vector<HeaderField> shard_header(const char* fn, const AttentionProblem<T, 
     fail(fn, "alibi_slopes with ", p.seqlen_q,
          " new queries per sequence needs causal = true (or window_right = 0): a rank's keys "
          "then lie on one side of every query");
-  return {{"the query type", storage_code<T>()},
-          {"the cache type", storage_code<KV>()},
-          {"the kernel (plain, V1, V2)", static_cast<std::int64_t>(p.kind)},
-          {"the batch size B", p.q.shape(0)},
-          {"the new queries n", p.q.shape(1)},
-          {"the query heads", p.q.shape(2)},
-          {"the head width d", p.q.shape(3)},
-          {"the key heads", p.k.shape(2)},
-          {"the value heads", p.v.shape(2)},
-          {"the value width", p.v.shape(3)},
-          {"whether lse is wanted", p.has_lse() ? 1 : 0},
-          {"q (its values)", view_hash(p.q)},
-          {"lambda", lambda},
-          {"options.causal", o.causal ? 1 : 0},
-          {"options.window_left", o.window_left},
-          {"options.window_right", o.window_right},
-          {"options.scale", bits_of(o.scale)},
-          {"options.softcap", bits_of(static_cast<double>(o.softcap))},
-          {"options.alibi_slopes", o.alibi_slopes.empty() ? 0 : view_hash(o.alibi_slopes)},
-          {"options.sinks", o.sinks.empty() ? 0 : view_hash(o.sinks)}};
+  return header_with_shapes(
+      {{"the query type", storage_code<T>()},
+       {"the cache type", storage_code<KV>()},
+       {"the kernel (plain, V1, V2)", static_cast<std::int64_t>(p.kind)}},
+      "the new queries n", p.q, p.k, p.v,
+      {{"whether lse is wanted", p.has_lse() ? 1 : 0},
+       {"q (its values)", view_hash(p.q)},
+       {"lambda", lambda},
+       {"options.causal", o.causal ? 1 : 0},
+       {"options.window_left", o.window_left},
+       {"options.window_right", o.window_right},
+       {"options.scale", bits_of(o.scale)},
+       {"options.softcap", bits_of(static_cast<double>(o.softcap))},
+       {"options.alibi_slopes", o.alibi_slopes.empty() ? 0 : view_hash(o.alibi_slopes)},
+       {"options.sinks", o.sinks.empty() ? 0 : view_hash(o.sinks)}});
 }
 
 /// Query heads m, m + 2, ... of a (H2) vector.
@@ -352,10 +356,13 @@ void sharded_kvcache_call(MPI_Comm comm, const char* fn, const ShardArgs<T, KV>&
   }
   std::vector<C> gathered(static_cast<std::size_t>(per_rank) * W);
   tc = mpi_now();
+  if (stats) stats->ready_seconds = tc - t0;
   mpi_check(MPI_Allgather(payload.data(), mpi_count(per_rank, fn), mpi_type<C>(), gathered.data(),
                           mpi_count(per_rank, fn), mpi_type<C>(), rc.get()),
             fn, "MPI_Allgather");
-  comm_s += mpi_now() - tc;
+  const double exchange_s = mpi_now() - tc;
+  comm_s += exchange_s;
+  if (stats) stats->exchange_seconds = exchange_s;
   if (payload[0] != C(0)) throw error(local_error);
   for (int r = 0; r < W; ++r)
     if (gathered[static_cast<std::size_t>(r) * per_rank] != C(0))

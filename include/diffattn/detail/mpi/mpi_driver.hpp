@@ -21,6 +21,7 @@
 #include "../../tensor.hpp"
 #include "../core/validate.hpp"
 #include "mpi_comm.hpp"
+#include "mpi_gather.hpp"
 #include "mpi_ring.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
@@ -100,24 +101,18 @@ std::vector<HeaderField> ring_header(const char* fn, const AttentionProblem<T>& 
   if (s == mpi::Sharding::zigzag && p.seqlen_q % 2 != 0)
     fail(fn, "zigzag sharding needs an even number of tokens per rank (two chunks of N / 2W), got ",
          p.seqlen_q, " (q ", shape_str(p.q.shape()), "); N must be a multiple of 2W");
-  return {{"the scalar size", static_cast<std::int64_t>(sizeof(T))},
-          {"the batch size B", p.q.shape(0)},
-          {"the tokens per rank", p.q.shape(1)},
-          {"the query heads", p.q.shape(2)},
-          {"the key heads", p.k.shape(2)},
-          {"the value heads", p.v.shape(2)},
-          {"the head width d", p.q.shape(3)},
-          {"the value width", p.v.shape(3)},
-          {"options.causal", o.causal ? 1 : 0},
-          {"options.window_left", o.window_left},
-          {"options.window_right", o.window_right},
-          {"options.scale", bits_of(o.scale)},
-          {"lambda", lambda_bits(p)},
-          {"the sharding", static_cast<std::int64_t>(s)},
-          {"options.softcap", bits_of(static_cast<double>(o.softcap))},
-          {"options.alibi_slopes", modifier_bits(o.alibi_slopes)},
-          {"options.sinks", modifier_bits(o.sinks)},
-          {"whether dsinks is wanted", 0}};
+  return header_with_shapes({{"the scalar size", static_cast<std::int64_t>(sizeof(T))}},
+                            "the tokens per rank", p.q, p.k, p.v,
+                            {{"options.causal", o.causal ? 1 : 0},
+                             {"options.window_left", o.window_left},
+                             {"options.window_right", o.window_right},
+                             {"options.scale", bits_of(o.scale)},
+                             {"lambda", lambda_bits(p)},
+                             {"the sharding", static_cast<std::int64_t>(s)},
+                             {"options.softcap", bits_of(static_cast<double>(o.softcap))},
+                             {"options.alibi_slopes", modifier_bits(o.alibi_slopes)},
+                             {"options.sinks", modifier_bits(o.sinks)},
+                             {"whether dsinks is wanted", 0}});
 }
 
 template <class T>
@@ -188,6 +183,10 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
     return;
   }
   const RingProblem<T> rp = ring_problem(p, options, s);
+  if (v1_gathers(rp, rc.size())) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
+    gathered_v1_forward(rc, rp, p, options, mod);
+    return;
+  }
   std::vector<int> maps = rp.maps() == 2 ? std::vector<int>{0, 1} : std::vector<int>{0};
   std::vector<Tensor<T, 4>> o;
   std::vector<Tensor<T, 3>> lse;
@@ -234,6 +233,8 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   }
   const AttentionProblem<T>& p = bp.fwd;
   const RingProblem<T> rp = ring_problem(p, options, s);
+  if (v1_gathers(rp, rc.size()))  // the keys gathered, the fused backward (mpi_gather.hpp)
+    return gathered_v1_backward(rc, rp, bp, options, mod);
   const int maps = rp.maps();
   const std::array<index_t, 4> oshape = {rp.B, rp.n, rp.H, rp.dv};
   std::vector<Tensor<T, 4>> o, o2;
@@ -312,18 +313,12 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   ring_backward(rp, rc, o_m, lse_m, dout_m, delta_m, dq_m, grad, mod);
   // Gradients to the caller's layout.
   for (index_t b = 0; b < rp.B; ++b)
-    for (index_t i = 0; i < rp.n; ++i) {
+    for (index_t i = 0; i < rp.n; ++i)
       for (int m = 0; m < maps; ++m)
         for (index_t h = 0; h < rp.H; ++h)
           std::copy(&dq_m[m](b, i, h, 0), &dq_m[m](b, i, h, 0) + rp.d,
                     &bp.dq(b, i, maps == 2 ? 2 * h + m : h, 0));
-      const T* gk = grad.data() + (b * rp.n + i) * rp.Hk * rp.d;
-      for (index_t h = 0; h < rp.Hk; ++h)
-        std::copy(gk + h * rp.d, gk + (h + 1) * rp.d, &bp.dk(b, i, h, 0));
-      const T* gv = grad.data() + rp.k_elems() + (b * rp.n + i) * rp.Hkv * rp.dv;
-      for (index_t h = 0; h < rp.Hkv; ++h)
-        std::copy(gv + h * rp.dv, gv + (h + 1) * rp.dv, &bp.dv(b, i, h, 0));
-    }
+  write_kv_grads(rp, grad, bp);
   return dlambda_sum;
 }
 
@@ -343,6 +338,20 @@ void ring_forward_call(MPI_Comm comm, const char* fn, const AttentionOptions& op
   });
   ring_attention_forward(rc, c.p, options, sharding, mod);
   finish_stats(stats, rc, t0);
+}
+
+/// mpi::diff_attention_v1 with one lambda (lambda) or one per DIFF head
+/// (lambda_heads).
+template <class T, class Mod>
+void ring_v1_forward(MPI_Comm comm, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                     TensorView<const T, 4> v, const T* lambda,
+                     const TensorView<const T, 1>* lambda_heads, TensorView<T, 4> out,
+                     TensorView<T, 3> lse, const AttentionOptions& options, mpi::Sharding sharding,
+                     mpi::RingStats* stats, const Mod& mod) {
+  constexpr const char* fn = "diffattn::mpi::diff_attention_v1";
+  ring_forward_call<T>(
+      comm, fn, options, sharding, stats,
+      [&] { return validate_v1<T>(q, k, v, lambda, lambda_heads, out, lse, options, fn); }, mod);
 }
 
 /// One collective backward call, as ring_forward_call with `validate` giving

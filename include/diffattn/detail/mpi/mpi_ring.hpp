@@ -233,7 +233,8 @@ struct RingMod {
 
 /// Calls f with the functor of map m's pair of query run qr and key run kr:
 /// the user's NoScoreMod itself when there is neither ALiBi nor a user
-/// functor (the kernels without one, as before), else a RingMod.
+/// functor (the kernels without one, as before), else a RingMod. m = -1: a
+/// call of the fused kernel on q's own heads (both maps at once).
 template <class T, class Mod, class F>
 void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardRun& qr,
                    const ShardRun& kr, F&& f) {
@@ -244,8 +245,8 @@ void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardR
     r.slopes = rp.alibi_slopes;
     r.gq0 = qr.global;
     r.gk0 = kr.global;
-    r.hmul = rp.kind == AttnKind::plain ? 1 : 2;
-    r.hadd = rp.kind == AttnKind::plain ? 0 : m;
+    r.hmul = rp.kind == AttnKind::plain || m < 0 ? 1 : 2;
+    r.hadd = rp.kind == AttnKind::plain || m < 0 ? 0 : m;
     return r;
   };
   if (alibi) {
@@ -255,6 +256,19 @@ void with_pair_mod(const RingProblem<T>& rp, const Mod& mod, int m, const ShardR
   } else {
     f(mod);
   }
+}
+
+/// Calls f(qr, kr, w, opt) for every pair of a run of the rank's queries
+/// (qruns) and a run of rank src's keys that the band lets take part: w the
+/// pair's part, opt its kernel options.
+template <class T, class F>
+void for_each_pair(const RingProblem<T>& rp, const std::vector<ShardRun>& qruns, int src, int world,
+                   F&& f) {
+  for (const ShardRun& qr : qruns)
+    for (const ShardRun& kr : shard_runs(rp.n, src, world, rp.zigzag)) {
+      const PairWindow w = pair_window(qr, kr, rp.left, rp.right);
+      if (!w.empty()) f(qr, kr, w, rp.pair_options(w));
+    }
 }
 
 /// The local k and v in one contiguous block.
@@ -270,6 +284,22 @@ void pack_block(const RingProblem<T>& rp, T* block) {
     for (index_t i = 0; i < rp.n; ++i)
       for (index_t h = 0; h < rp.Hkv; ++h, vb += rp.dv)
         std::copy(&rp.v(b, i, h, 0), &rp.v(b, i, h, 0) + rp.dv, vb);
+}
+
+/// The rank's dk (B, n, Hk, d) and dv (B, n, Hkv, dv) from their sum in
+/// block layout (as pack_block lays out k and v).
+template <class T>
+void write_kv_grads(const RingProblem<T>& rp, const Tensor<T, 1>& grad,
+                    const BackwardProblem<T>& bp) {
+  for (index_t b = 0; b < rp.B; ++b)
+    for (index_t i = 0; i < rp.n; ++i) {
+      const T* gk = grad.data() + (b * rp.n + i) * rp.Hk * rp.d;
+      for (index_t h = 0; h < rp.Hk; ++h)
+        std::copy(gk + h * rp.d, gk + (h + 1) * rp.d, &bp.dk(b, i, h, 0));
+      const T* gv = grad.data() + rp.k_elems() + (b * rp.n + i) * rp.Hkv * rp.dv;
+      for (index_t h = 0; h < rp.Hkv; ++h)
+        std::copy(gv + h * rp.dv, gv + (h + 1) * rp.dv, &bp.dv(b, i, h, 0));
+    }
 }
 
 constexpr int kTagBlock = 7201;  // key/value blocks
@@ -304,24 +334,23 @@ void ring_forward(const RingProblem<T>& rp, RingComm& rc, const std::vector<int>
       rc.isend(block[cur].data(), rp.block_elems(), rc.right(), kTagBlock, &req[1]);
     }
     const T* kv = block[cur].data();
-    for (const ShardRun& qr : qruns) {
-      for (const ShardRun& kr : shard_runs(rp.n, src, W, rp.zigzag)) {
-        const PairWindow w = pair_window(qr, kr, rp.left, rp.right);
-        if (w.empty()) continue;
-        const AttentionOptions opt = rp.pair_options(w);
-        const TensorView<T, 4> obv(ob.data(), {rp.B, w.n, rp.H, rp.dv}, ob.view().strides());
-        const TensorView<T, 3> lbv(lb.data(), {rp.B, rp.H, w.n}, lb.view().strides());
-        for (std::size_t mi = 0; mi < maps.size(); ++mi) {
-          with_pair_mod(rp, mod, maps[mi], qr, kr, [&](const auto& pm) {
-            attention<T>(rows_of(rp.q_map(maps[mi]), w.q0, w.n), rp.k_map(kv, maps[mi], w.k0, w.m),
-                         rp.v_rows(kv, w.k0, w.m), obv, lbv, opt, pm);
-          });
-          merge_states<T>(rows_of(o[mi].view(), w.q0, w.n), rows_of(lse[mi].view(), w.q0, w.n), obv,
-                          lbv, rp.threads);
-        }
-        rc.poke(req, 2);
-      }
-    }
+    for_each_pair(
+        rp, qruns, src, W,
+        [&](const ShardRun& qr, const ShardRun& kr, const PairWindow& w,
+            const AttentionOptions& opt) {
+          const TensorView<T, 4> obv(ob.data(), {rp.B, w.n, rp.H, rp.dv}, ob.view().strides());
+          const TensorView<T, 3> lbv(lb.data(), {rp.B, rp.H, w.n}, lb.view().strides());
+          for (std::size_t mi = 0; mi < maps.size(); ++mi) {
+            with_pair_mod(rp, mod, maps[mi], qr, kr, [&](const auto& pm) {
+              attention<T>(rows_of(rp.q_map(maps[mi]), w.q0, w.n),
+                           rp.k_map(kv, maps[mi], w.k0, w.m), rp.v_rows(kv, w.k0, w.m), obv, lbv,
+                           opt, pm);
+            });
+            merge_states<T>(rows_of(o[mi].view(), w.q0, w.n), rows_of(lse[mi].view(), w.q0, w.n),
+                            obv, lbv, rp.threads);
+          }
+          rc.poke(req, 2);
+        });
     rc.wait(req, 2);
   }
   if (rp.sinks.empty()) return;
@@ -374,40 +403,40 @@ void ring_backward(const RingProblem<T>& rp, RingComm& rc,
     if (s > 0) rc.irecv(incoming.data(), elems, rc.left(), kTagGrad, &req[2]);
     contrib.fill(T(0));
     T* kv = block[cur].data();
-    for (const ShardRun& qr : qruns) {
-      for (const ShardRun& kr : shard_runs(rp.n, src, W, rp.zigzag)) {
-        const PairWindow w = pair_window(qr, kr, rp.left, rp.right);
-        if (w.empty()) continue;
-        const AttentionOptions opt = rp.pair_options(w);
-        const TensorView<T, 4> dq_v(dq_t.data(), {rp.B, w.n, rp.H, rp.d}, dq_t.view().strides());
-        const TensorView<T, 4> dk_v(dk_t.data(), {rp.B, w.m, rp.Hkv, rp.d}, dk_t.view().strides());
-        const TensorView<T, 4> dv_v(dv_t.data(), {rp.B, w.m, rp.Hkv, rp.dv}, dv_t.view().strides());
-        for (int m = 0; m < maps; ++m) {
-          BackwardProblem<T> bp = backward_plain<T>(
-              rows_of(rp.q_map(m), w.q0, w.n), rp.k_map(static_cast<const T*>(kv), m, w.k0, w.m),
-              rp.v_rows(static_cast<const T*>(kv), w.k0, w.m), rows_of(o_m[m], w.q0, w.n),
-              rows_of(lse_m[m], w.q0, w.n), rows_of(dout_m[m], w.q0, w.n), dq_v, dk_v, dv_v, opt,
-              rc.fn());
-          bp.delta = rows_of(delta_m[m], w.q0, w.n);
-          with_pair_mod(rp, mod, m, qr, kr,
-                        [&](const auto& pm) { run_attention_backward(bp, opt, pm); });
-          const TensorView<T, 4> dq_acc = rows_of(dq_m[m].view(), w.q0, w.n);
-          for (index_t b = 0; b < rp.B; ++b)
-            for (index_t i = 0; i < w.n; ++i)
-              for (index_t h = 0; h < rp.H; ++h)
-                for (index_t t = 0; t < rp.d; ++t) dq_acc(b, i, h, t) += dq_v(b, i, h, t);
-          const TensorView<T, 4> dk_acc = rp.k_map(contrib.data(), m, w.k0, w.m);
-          const TensorView<T, 4> dv_acc = rp.v_rows(contrib.data(), w.k0, w.m);
-          for (index_t b = 0; b < rp.B; ++b)
-            for (index_t j = 0; j < w.m; ++j)
-              for (index_t h = 0; h < rp.Hkv; ++h) {
-                for (index_t t = 0; t < rp.d; ++t) dk_acc(b, j, h, t) += dk_v(b, j, h, t);
-                for (index_t t = 0; t < rp.dv; ++t) dv_acc(b, j, h, t) += dv_v(b, j, h, t);
-              }
-        }
-        rc.poke(req, 3);
-      }
-    }
+    for_each_pair(
+        rp, qruns, src, W,
+        [&](const ShardRun& qr, const ShardRun& kr, const PairWindow& w,
+            const AttentionOptions& opt) {
+          const TensorView<T, 4> dq_v(dq_t.data(), {rp.B, w.n, rp.H, rp.d}, dq_t.view().strides());
+          const TensorView<T, 4> dk_v(dk_t.data(), {rp.B, w.m, rp.Hkv, rp.d},
+                                      dk_t.view().strides());
+          const TensorView<T, 4> dv_v(dv_t.data(), {rp.B, w.m, rp.Hkv, rp.dv},
+                                      dv_t.view().strides());
+          for (int m = 0; m < maps; ++m) {
+            BackwardProblem<T> bp = backward_plain<T>(
+                rows_of(rp.q_map(m), w.q0, w.n), rp.k_map(static_cast<const T*>(kv), m, w.k0, w.m),
+                rp.v_rows(static_cast<const T*>(kv), w.k0, w.m), rows_of(o_m[m], w.q0, w.n),
+                rows_of(lse_m[m], w.q0, w.n), rows_of(dout_m[m], w.q0, w.n), dq_v, dk_v, dv_v, opt,
+                rc.fn());
+            bp.delta = rows_of(delta_m[m], w.q0, w.n);
+            with_pair_mod(rp, mod, m, qr, kr,
+                          [&](const auto& pm) { run_attention_backward(bp, opt, pm); });
+            const TensorView<T, 4> dq_acc = rows_of(dq_m[m].view(), w.q0, w.n);
+            for (index_t b = 0; b < rp.B; ++b)
+              for (index_t i = 0; i < w.n; ++i)
+                for (index_t h = 0; h < rp.H; ++h)
+                  for (index_t t = 0; t < rp.d; ++t) dq_acc(b, i, h, t) += dq_v(b, i, h, t);
+            const TensorView<T, 4> dk_acc = rp.k_map(contrib.data(), m, w.k0, w.m);
+            const TensorView<T, 4> dv_acc = rp.v_rows(contrib.data(), w.k0, w.m);
+            for (index_t b = 0; b < rp.B; ++b)
+              for (index_t j = 0; j < w.m; ++j)
+                for (index_t h = 0; h < rp.Hkv; ++h) {
+                  for (index_t t = 0; t < rp.d; ++t) dk_acc(b, j, h, t) += dk_v(b, j, h, t);
+                  for (index_t t = 0; t < rp.dv; ++t) dv_acc(b, j, h, t) += dv_v(b, j, h, t);
+                }
+          }
+          rc.poke(req, 3);
+        });
     if (W == 1) {
       grad = contrib;
       break;
