@@ -57,6 +57,17 @@ EIGEN_ALWAYS_INLINE const T* in_register(const T* p) {
   return p;
 }
 
+/// The packet operations of the decoding kernels, brought into a kernel's
+/// scope at once (`using namespace decode_packet_ops;`).
+namespace decode_packet_ops {
+using Eigen::internal::padd;
+using Eigen::internal::ploadu;
+using Eigen::internal::pmadd;
+using Eigen::internal::pmul;
+using Eigen::internal::pset1;
+using Eigen::internal::pstoreu;
+}  // namespace decode_packet_ops
+
 /// The query rows of a decoding step: every query head of the problem. Lane l
 /// is map l % maps of output head l / maps; row r = l * n + ii is query ii of
 /// lane l. The lanes of kv group g are [g per_group, (g + 1) per_group); they
@@ -108,10 +119,7 @@ EIGEN_ALWAYS_INLINE void dots_heads(const S* const* krows, const S* const* pre, 
                                     index_t kstep, index_t U, const C* q, index_t qstep,
                                     index_t qgstep, C* part, index_t pstep, index_t pgstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pmul;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   Packet qv[G][R][DP];
   for (int gi = 0; gi < G; ++gi)
@@ -151,10 +159,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* p
                                         index_t U, index_t dp, const C* q, index_t qstep, C* part,
                                         index_t pstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   if constexpr (DP > 0) {
     dots_heads<1, R, DP>(krows, pre, off, 0, U, q, qstep, 0, part, pstep, 0);
@@ -241,9 +246,7 @@ EIGEN_ALWAYS_INLINE void partial_dots(const S* const* krows, const S* const* pre
 template <class C>
 EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::padd;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr int P = TileConfig<C>::kPacket;
   if constexpr (P == 1) {
     out[0] = part[0];
@@ -293,10 +296,7 @@ EIGEN_ALWAYS_INLINE void axpy_heads(const S* const* vrows, const S* const* pre, 
                                     index_t vstep, index_t U, index_t dv, C* o, index_t ostep,
                                     index_t ogstep, const C* w, index_t wstep, index_t wgstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   for (index_t t = 0; t < dv; t += NP * P) {
     Packet acc[G][R][NP];
@@ -1088,17 +1088,22 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   if (!scales_ok) p.report_bad_scale();
 }
 
-/// decode_finish with attention sinks: each map's merged state (o, lse) is
-/// merged once more with its sink's state (no output, lse = sink), after the
-/// chunks', so a split step counts the sink exactly once.
+/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
+/// (o for plain), and each map's lse. Rows stored narrower than C are formed
+/// in ws.row and rounded once as they are written. With attention sinks, each
+/// map's merged state (o, lse) is merged once more with its sink's state (no
+/// output, lse = sink), after the chunks', so a split step counts the sink
+/// exactly once.
 template <class T, class KV, class C>
-void decode_finish_sinks(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                         const C* o, const C* lse, Workspace<C>& ws) {
+void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   const C* o, const C* lse, Workspace<C>& ws) {
   using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
   using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
   const index_t n = dl.n, dv = p.value_dim;
-  C* tmp = ws.row.get(dv);
-  // The merged lse and the factor of the state's o.
+  constexpr bool same = std::is_same<T, C>::value;
+  const bool sinks = !p.sinks.empty();
+  C* tmp = same && !sinks ? nullptr : ws.row.get(dv);
+  // The lse merged with a sink's, and the factor of the state's o.
   auto with_sink = [](C l, C sink, C& f) {
     f = C(1);
     if (std::isnan(l)) return l;
@@ -1114,60 +1119,37 @@ void decode_finish_sinks(const AttentionProblem<T, KV>& p, const SeqSpan& sq, co
   for (index_t oh = 0; oh < p.heads; ++oh) {
     const HeadMap hm = head_map(p, oh);
     for (index_t ii = 0; ii < n; ++ii) {
-      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
-      C f1 = C(1), f2 = C(1);
-      const C l1 = with_sink(lse[r1], static_cast<C>(p.sinks(hm.q[0])), f1);
-      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = l1;
-      ArrayMap dst(tmp, dv);
-      dst = f1 * ConstArrayMap(o + r1 * dv, dv);
-      if (dl.maps == 2) {
-        const index_t r2 = r1 + n;
-        const C l2 = with_sink(lse[r2], static_cast<C>(p.sinks(hm.q[1])), f2);
-        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = l2;
-        dst -= (row_lambda(p, sq.b, i, oh) * f2) * ConstArrayMap(o + r2 * dv, dv);
-      }
-      T* out_row = &p.out(sq.b, i, oh, 0);
-      if constexpr (std::is_same<T, C>::value)
-        std::memcpy(out_row, tmp, static_cast<std::size_t>(dv) * sizeof(T));
-      else
-        convert_row(tmp, dv, out_row);
-    }
-  }
-}
-
-/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
-/// (o for plain), and each map's lse. Rows stored narrower than C are formed
-/// in ws.row and rounded once as they are written.
-template <class T, class KV, class C>
-void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   const C* o, const C* lse, Workspace<C>& ws) {
-  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
-  const index_t n = dl.n, dv = p.value_dim;
-  constexpr bool same = std::is_same<T, C>::value;
-  C* tmp = same ? nullptr : ws.row.get(dv);
-  if (!p.sinks.empty()) {
-    decode_finish_sinks(p, sq, dl, o, lse, ws);
-    return;
-  }
-  for (index_t oh = 0; oh < p.heads; ++oh) {
-    const HeadMap hm = head_map(p, oh);
-    for (index_t ii = 0; ii < n; ++ii) {
-      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
-      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
+      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii, r2 = r1 + n;
       T* out_row = &p.out(sq.b, i, oh, 0);
       C* dst_row = tmp;
-      if constexpr (same) dst_row = out_row;
+      if constexpr (same)
+        if (!sinks) dst_row = out_row;
       ArrayMap dst(dst_row, dv);
       const ConstArrayMap o1(o + r1 * dv, dv);
-      if (dl.maps == 2) {
-        const index_t r2 = r1 + n;
-        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
-        dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
+      if (sinks) {
+        C f1 = C(1), f2 = C(1);
+        const C l1 = with_sink(lse[r1], static_cast<C>(p.sinks(hm.q[0])), f1);
+        if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = l1;
+        dst = f1 * o1;
+        if (dl.maps == 2) {
+          const C l2 = with_sink(lse[r2], static_cast<C>(p.sinks(hm.q[1])), f2);
+          if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = l2;
+          dst -= (row_lambda(p, sq.b, i, oh) * f2) * ConstArrayMap(o + r2 * dv, dv);
+        }
       } else {
-        dst = o1;
+        if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
+        if (dl.maps == 2) {
+          if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
+          dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
+        } else {
+          dst = o1;
+        }
       }
-      if constexpr (!same) convert_row(tmp, dv, out_row);
+      if constexpr (same) {
+        if (sinks) std::memcpy(out_row, tmp, static_cast<std::size_t>(dv) * sizeof(T));
+      } else {
+        convert_row(tmp, dv, out_row);
+      }
     }
   }
 }
