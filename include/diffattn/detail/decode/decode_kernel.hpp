@@ -57,6 +57,17 @@ EIGEN_ALWAYS_INLINE const T* in_register(const T* p) {
   return p;
 }
 
+/// The packet operations of the decoding kernels, brought into a kernel's
+/// scope at once (`using namespace decode_packet_ops;`).
+namespace decode_packet_ops {
+using Eigen::internal::padd;
+using Eigen::internal::ploadu;
+using Eigen::internal::pmadd;
+using Eigen::internal::pmul;
+using Eigen::internal::pset1;
+using Eigen::internal::pstoreu;
+}  // namespace decode_packet_ops
+
 /// The query rows of a decoding step: every query head of the problem. Lane l
 /// is map l % maps of output head l / maps; row r = l * n + ii is query ii of
 /// lane l. The lanes of kv group g are [g per_group, (g + 1) per_group); they
@@ -108,10 +119,7 @@ EIGEN_ALWAYS_INLINE void dots_heads(const S* const* krows, const S* const* pre, 
                                     index_t kstep, index_t U, const C* q, index_t qstep,
                                     index_t qgstep, C* part, index_t pstep, index_t pgstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pmul;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   Packet qv[G][R][DP];
   for (int gi = 0; gi < G; ++gi)
@@ -151,10 +159,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* p
                                         index_t U, index_t dp, const C* q, index_t qstep, C* part,
                                         index_t pstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   if constexpr (DP > 0) {
     dots_heads<1, R, DP>(krows, pre, off, 0, U, q, qstep, 0, part, pstep, 0);
@@ -241,9 +246,7 @@ EIGEN_ALWAYS_INLINE void partial_dots(const S* const* krows, const S* const* pre
 template <class C>
 EIGEN_ALWAYS_INLINE void reduce_keys(const C* part, C* out) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::padd;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr int P = TileConfig<C>::kPacket;
   if constexpr (P == 1) {
     out[0] = part[0];
@@ -293,10 +296,7 @@ EIGEN_ALWAYS_INLINE void axpy_heads(const S* const* vrows, const S* const* pre, 
                                     index_t vstep, index_t U, index_t dv, C* o, index_t ostep,
                                     index_t ogstep, const C* w, index_t wstep, index_t wgstep) {
   using Packet = typename TileConfig<C>::Packet;
-  using Eigen::internal::ploadu;
-  using Eigen::internal::pmadd;
-  using Eigen::internal::pset1;
-  using Eigen::internal::pstoreu;
+  using namespace decode_packet_ops;
   constexpr index_t P = TileConfig<C>::kPacket;
   for (index_t t = 0; t < dv; t += NP * P) {
     Packet acc[G][R][NP];
@@ -540,7 +540,7 @@ constexpr bool kHasVnniDots = false;
 #endif
 template <class T, class KV>
 constexpr bool decode_vnni_keys =
-    kHasVnniDots && std::is_same<KV, std::int8_t>::value && std::is_same<compute_t<T>, float>::value;
+    kHasVnniDots&& std::is_same<KV, std::int8_t>::value&& std::is_same<compute_t<T>, float>::value;
 /// Whether a step of head width d runs its key products on VNNI.
 template <class T, class KV>
 bool decode_uses_vnni(index_t d) {
@@ -558,26 +558,56 @@ inline float quantize_query_u8(const float* qs, index_t d, std::uint8_t* qa, std
   const float sq = amax / 255;
   for (index_t c = 0; c * 64 < d; ++c) masks[c] = 0;
   for (index_t t = 0; t < d; ++t) {
-    qa[t] = sq > 0 ? static_cast<std::uint8_t>(std::min(255.0f, std::nearbyint(std::abs(qs[t]) / sq)))
-                   : std::uint8_t(0);
+    qa[t] = sq > 0
+                ? static_cast<std::uint8_t>(std::min(255.0f, std::nearbyint(std::abs(qs[t]) / sq)))
+                : std::uint8_t(0);
     if (qs[t] < 0) masks[t / 64] |= std::uint64_t(1) << (t % 64);
   }
   return sq;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/// partial_dots_gn on VNNI: G consecutive int8 key heads (kstep apart) of U
-/// rows against R query rows each, DB = d / 64 vectors per head; query row
-/// i of head gi at qa + gi qgstep + i qstep (bytes) with masks at qm + gi
-/// mgstep + i mstep; the integer packet of key u, as floats, at part + gi
-/// pgstep + i pstep + 16 u. Out of line as partial_dots_gn.
+/// The integer packets of four keys (lane sums a[k] = q . key k) folded into
+/// one: in each 128-bit lane, the four keys' sums of that lane's features.
+/// reduce_keys' first two rounds, on exact int32 sums.
+EIGEN_ALWAYS_INLINE __m512i fold_four_keys(const __m512i a[4]) {
+  const __m512i w0 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+  const __m512i w1 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+  const __m512 x0 = _mm512_castsi512_ps(w0), x1 = _mm512_castsi512_ps(w1);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(1, 0, 1, 0))),
+                          _mm512_castps_si512(_mm512_shuffle_ps(x0, x1, _MM_SHUFFLE(3, 2, 3, 2))));
+}
+
+/// Two folded packets (keys 0-3, 4-7 of eight, or of two such halves) summed
+/// across 128-bit lanes: reduce_keys' last rounds.
+EIGEN_ALWAYS_INLINE __m512i fold_lanes(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// The scores of a block of U <= 16 int8 keys on VNNI: G consecutive key
+/// heads (kstep apart) of U rows against R query rows each, DB = d / 64
+/// vectors per head; query row i of head gi at qa + gi qgstep + i qstep
+/// (bytes) with masks at qm + gi mgstep + i mstep and scale qsc[gi qsgstep +
+/// i qsstep]; the head's key scales (16, zero from U on) at ksc + gi 16. Key
+/// u's score, float(integer sum) * (key scale * query scale), is stored at
+/// s + gi sgstep + i sstep + u, for all 16 u (0 from U on).
+///
+/// The integer packets of four keys are folded as they come (fold_four_keys)
+/// and the block's four folds summed across lanes (fold_lanes) in registers:
+/// one conversion and one product per 16 scores, where storing each key's
+/// packet for reduce_keys took a conversion, a store and a load per key and
+/// row. The sums are exact either way (below 2^24), so the scores are the
+/// same to the bit. Out of line as partial_dots_gn.
 template <int G, int R, int DB>
-EIGEN_DONT_INLINE void partial_dots_vnni(const std::int8_t* const* krows,
-                                         const std::int8_t* const* pre, index_t off,
-                                         index_t kstep, index_t U, const std::uint8_t* qa,
-                                         index_t qstep, index_t qgstep, const std::uint64_t* qm,
-                                         index_t mstep, index_t mgstep, float* part,
-                                         index_t pstep, index_t pgstep) {
+EIGEN_DONT_INLINE void scores_vnni(const std::int8_t* const* krows, const std::int8_t* const* pre,
+                                   index_t off, index_t kstep, index_t U, const std::uint8_t* qa,
+                                   index_t qstep, index_t qgstep, const std::uint64_t* qm,
+                                   index_t mstep, index_t mgstep, const float* qsc, index_t qsstep,
+                                   index_t qsgstep, const float* ksc, float* s, index_t sstep,
+                                   index_t sgstep) {
   __m512i q[G][R][DB];
   __mmask64 m[G][R][DB];
   for (int gi = 0; gi < G; ++gi)
@@ -587,89 +617,112 @@ EIGEN_DONT_INLINE void partial_dots_vnni(const std::int8_t* const* krows,
         m[gi][i][t] = qm[gi * mgstep + i * mstep + t];
       }
   const __m512i zero = _mm512_setzero_si512();
-  for (index_t u = 0; u < U; ++u) {
-    const std::int8_t* k = krows[u] + off;
-    if (pre && pre[u])
-      for (int gi = 0; gi < G; ++gi) prefetch_row<0>(in_register(pre[u] + off + gi * kstep), DB * 64);
-    for (int gi = 0; gi < G; ++gi) {
-      const std::int8_t* kh = in_register(k + gi * kstep);
-      __m512i kv[DB];
-      for (int t = 0; t < DB; ++t) kv[t] = _mm512_loadu_si512(kh + t * 64);
-      for (int i = 0; i < R; ++i) {
-        __m512i acc = _mm512_dpbusd_epi32(zero, q[gi][i][0],
+  __m512i half[G][R];  // keys 0-7 folded, while keys 8-15 are read
+  __m512i quad[G][R];  // the first four keys of the current eight folded
+  for (int b = 0; b < 4; ++b) {
+    __m512i acc[G][R][4];
+    for (int k4 = 0; k4 < 4; ++k4) {
+      const index_t u = 4 * b + k4;
+      if (u >= U) {
+        for (int gi = 0; gi < G; ++gi)
+          for (int i = 0; i < R; ++i) acc[gi][i][k4] = zero;
+        continue;
+      }
+      const std::int8_t* k = krows[u] + off;
+      if (pre && pre[u])
+        for (int gi = 0; gi < G; ++gi)
+          prefetch_row<0>(in_register(pre[u] + off + gi * kstep), DB * 64);
+      for (int gi = 0; gi < G; ++gi) {
+        const std::int8_t* kh = in_register(k + gi * kstep);
+        __m512i kv[DB];
+        for (int t = 0; t < DB; ++t) kv[t] = _mm512_loadu_si512(kh + t * 64);
+        for (int i = 0; i < R; ++i) {
+          __m512i a = _mm512_dpbusd_epi32(zero, q[gi][i][0],
                                           _mm512_mask_sub_epi8(kv[0], m[gi][i][0], zero, kv[0]));
-        for (int t = 1; t < DB; ++t)
-          acc = _mm512_dpbusd_epi32(acc, q[gi][i][t],
+          for (int t = 1; t < DB; ++t)
+            a = _mm512_dpbusd_epi32(a, q[gi][i][t],
                                     _mm512_mask_sub_epi8(kv[t], m[gi][i][t], zero, kv[t]));
-        _mm512_storeu_ps(part + gi * pgstep + i * pstep + u * 16, _mm512_cvtepi32_ps(acc));
+          acc[gi][i][k4] = a;
+        }
       }
     }
+    for (int gi = 0; gi < G; ++gi)
+      for (int i = 0; i < R; ++i) {
+        const __m512i z = fold_four_keys(acc[gi][i]);
+        if (b % 2 == 0) {
+          quad[gi][i] = z;
+        } else {
+          const __m512i t = fold_lanes(quad[gi][i], z);
+          if (b == 1)
+            half[gi][i] = t;
+          else
+            _mm512_storeu_ps(
+                s + gi * sgstep + i * sstep,
+                _mm512_mul_ps(_mm512_cvtepi32_ps(fold_lanes(half[gi][i], t)),
+                              _mm512_mul_ps(_mm512_loadu_ps(ksc + gi * 16),
+                                            _mm512_set1_ps(qsc[gi * qsgstep + i * qsstep]))));
+        }
+      }
   }
 }
 #endif
 
-/// partial_dots_vnni for G heads of R query rows each (G R DB <= 8 picks a
+/// scores_vnni for G heads of R query rows each (G R DB <= 4 picks a
 /// kernel; otherwise one head at a time, rows four at a time).
-inline void partial_dots_vnni_heads(index_t G, index_t R, index_t DB,
-                                    const std::int8_t* const* krows,
-                                    const std::int8_t* const* pre, index_t off, index_t kstep,
-                                    index_t U, const std::uint8_t* qa, index_t qstep,
-                                    index_t qgstep, const std::uint64_t* qm, index_t mstep,
-                                    index_t mgstep, float* part, index_t pstep, index_t pgstep) {
+inline void scores_vnni_heads(index_t G, index_t R, index_t DB, const std::int8_t* const* krows,
+                              const std::int8_t* const* pre, index_t off, index_t kstep, index_t U,
+                              const std::uint8_t* qa, index_t qstep, index_t qgstep,
+                              const std::uint64_t* qm, index_t mstep, index_t mgstep,
+                              const float* qsc, index_t qsstep, index_t qsgstep, const float* ksc,
+                              float* s, index_t sstep, index_t sgstep) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const auto args = [&](auto f, index_t o, const std::int8_t* const* pr, index_t g0, index_t i0) {
-    f(krows, pr, o, kstep, U, qa + g0 * qgstep + i0 * qstep, qstep, qgstep,
-      qm + g0 * mgstep + i0 * mstep, mstep, mgstep, part + g0 * pgstep + i0 * pstep, pstep,
-      pgstep);
+  const auto args = [&](auto f) {
+    f(krows, pre, off, kstep, U, qa, qstep, qgstep, qm, mstep, mgstep, qsc, qsstep, qsgstep, ksc, s,
+      sstep, sgstep);
   };
   if (DB == 1) {
-    if (G == 8 && R == 1) return args(partial_dots_vnni<8, 1, 1>, off, pre, 0, 0);
-    if (G == 4 && R == 2) return args(partial_dots_vnni<4, 2, 1>, off, pre, 0, 0);
-    if (G == 4 && R == 1) return args(partial_dots_vnni<4, 1, 1>, off, pre, 0, 0);
-    if (G == 2 && R == 4) return args(partial_dots_vnni<2, 4, 1>, off, pre, 0, 0);
-    if (G == 2 && R == 2) return args(partial_dots_vnni<2, 2, 1>, off, pre, 0, 0);
-    if (G == 2 && R == 1) return args(partial_dots_vnni<2, 1, 1>, off, pre, 0, 0);
+    if (G == 4 && R == 1) return args(scores_vnni<4, 1, 1>);
+    if (G == 2 && R == 2) return args(scores_vnni<2, 2, 1>);
+    if (G == 2 && R == 1) return args(scores_vnni<2, 1, 1>);
   } else if (DB == 2) {
-    if (G == 4 && R == 1) return args(partial_dots_vnni<4, 1, 2>, off, pre, 0, 0);
-    if (G == 2 && R == 2) return args(partial_dots_vnni<2, 2, 2>, off, pre, 0, 0);
-    if (G == 2 && R == 1) return args(partial_dots_vnni<2, 1, 2>, off, pre, 0, 0);
+    if (G == 2 && R == 1) return args(scores_vnni<2, 1, 2>);
   }
   // One head at a time, rows four at a time.
   for (index_t gi = 0; gi < G; ++gi) {
-    const index_t o = off + gi * kstep;
     for (index_t i = 0; i < R;) {
       const index_t rc = std::min<index_t>(4, R - i);
-      const std::int8_t* const* pr = gi == 0 && i == 0 ? pre : nullptr;
       const auto one = [&](auto f) {
-        f(krows, pr, o, 0, U, qa + gi * qgstep + i * qstep, qstep, 0,
-          qm + gi * mgstep + i * mstep, mstep, 0, part + gi * pgstep + i * pstep, pstep, 0);
+        f(krows, i == 0 ? pre : nullptr, off + gi * kstep, 0, U, qa + gi * qgstep + i * qstep,
+          qstep, 0, qm + gi * mgstep + i * mstep, mstep, 0, qsc + gi * qsgstep + i * qsstep, qsstep,
+          0, ksc + gi * 16, s + gi * sgstep + i * sstep, sstep, 0);
       };
       if (DB == 1) {
-        if (rc == 4) one(partial_dots_vnni<1, 4, 1>);
-        if (rc == 3) one(partial_dots_vnni<1, 3, 1>);
-        if (rc == 2) one(partial_dots_vnni<1, 2, 1>);
-        if (rc == 1) one(partial_dots_vnni<1, 1, 1>);
+        if (rc == 4) one(scores_vnni<1, 4, 1>);
+        if (rc == 3) one(scores_vnni<1, 3, 1>);
+        if (rc == 2) one(scores_vnni<1, 2, 1>);
+        if (rc == 1) one(scores_vnni<1, 1, 1>);
       } else {
-        if (rc == 4) one(partial_dots_vnni<1, 4, 2>);
-        if (rc == 3) one(partial_dots_vnni<1, 3, 2>);
-        if (rc == 2) one(partial_dots_vnni<1, 2, 2>);
-        if (rc == 1) one(partial_dots_vnni<1, 1, 2>);
+        if (rc == 4) one(scores_vnni<1, 4, 2>);
+        if (rc == 3) one(scores_vnni<1, 3, 2>);
+        if (rc == 2) one(scores_vnni<1, 2, 2>);
+        if (rc == 1) one(scores_vnni<1, 1, 2>);
       }
       i += rc;
     }
   }
 #else
   (void)G, (void)R, (void)DB, (void)krows, (void)pre, (void)off, (void)kstep, (void)U, (void)qa;
-  (void)qstep, (void)qgstep, (void)qm, (void)mstep, (void)mgstep, (void)part, (void)pstep;
-  (void)pgstep;
+  (void)qstep, (void)qgstep, (void)qm, (void)mstep, (void)mgstep, (void)qsc, (void)qsstep;
+  (void)qsgstep, (void)ksc, (void)s, (void)sstep, (void)sgstep;
 #endif
 }
 
-/// Key heads a VNNI pass reads together: G R DB <= 8 vectors of queries in
-/// registers, at most 512 bytes of the row per pass (as heads_together).
+/// Key heads a VNNI pass reads together: G R DB <= 4 vectors of queries in
+/// registers (each with two folds of keys beside it), at most 512 bytes of
+/// the row per pass (as heads_together).
 inline index_t vnni_heads_together(index_t rows, index_t DB) {
-  index_t g = 8;
-  while (g > 1 && (g * rows * DB > 8 || g * 64 * DB > 512)) g /= 2;
+  index_t g = 4;
+  while (g > 1 && (g * rows * DB > 4 || g * 64 * DB > 512)) g /= 2;
   return g;
 }
 
@@ -700,12 +753,16 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
         ok &= _mm512_cmp_ps_mask(z[m], _mm512_setzero_ps(), _CMP_GE_OQ) &
               _mm512_cmp_ps_mask(z[m], limit, _CMP_LE_OQ);
       }
-      const __m512i l1a = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
-      const __m512i l1b = _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
+      const __m512i l1a =
+          _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+      const __m512i l1b =
+          _mm512_setr_epi32(4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31);
       const __m512i l2a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-      const __m512i l2b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      const __m512i l2b =
+          _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
       const __m512i l3a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-      const __m512i l3b = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+      const __m512i l3b =
+          _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
       // u[2a], u[2a + 1]: keys 4a .. 4a + 3, heads 0-3 and 4-7, head-major.
       for (int a = 0; a < 4; ++a) {
         u[2 * a] = _mm512_permutex2var_ps(z[2 * a], l1a, z[2 * a + 1]);
@@ -793,8 +850,7 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
 /// (score_mods.hpp's functor_scores); keys it masks get weight 0.
 template <class T, class KV, class C, class Mod = NoScoreMod>
 void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse,
-                   const Mod& mod = Mod()) {
+                   index_t lo, index_t hi, Workspace<C>& ws, C* o, C* lse, const Mod& mod = Mod()) {
   constexpr bool kFunctor = is_active_mod<Mod, C>;
   ModCoords mc;
   if constexpr (kFunctor) mc = mod_coords(p, sq);
@@ -894,9 +950,9 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
     if constexpr (quant)
-      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.key_scales(sq, j); }, j0, jn, nkh,
-                                       p.k_scale.stride(2), even_rows(j0, jn), p.k_scale.stride(1),
-                                       ksc);
+      scales_ok &=
+          block_scales<KV, P>([&](index_t j) { return p.key_scales(sq, j); }, j0, jn, nkh,
+                              p.k_scale.stride(2), even_rows(j0, jn), p.k_scale.stride(1), ksc);
     index_t hk0 = 0;  // key heads [0, hk0) read kg at a time
     if constexpr (decode_vnni_keys<T, KV>) {
       if (vnni) {
@@ -904,10 +960,10 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
           const index_t g = hk0 / kh, slot = hk0 % kh;
           for (index_t ii = 0; ii < n; ++ii) {
             const index_t r0 = (g * dl.per_group + slot) * n + ii;
-            partial_dots_vnni_heads(kgv, lanes_per_slot, DB, rows, ii ? nullptr : pre, hk0 * ksh,
-                                    ksh, jn, qa + r0 * d, rstep * d, hstep * d, qm + r0 * DB,
-                                    rstep * DB, hstep * DB, part + r0 * P * P, rstep * P * P,
-                                    hstep * P * P);
+            scores_vnni_heads(kgv, lanes_per_slot, DB, rows, ii ? nullptr : pre, hk0 * ksh, ksh, jn,
+                              qa + r0 * d, rstep * d, hstep * d, qm + r0 * DB, rstep * DB,
+                              hstep * DB, qscale + r0, rstep, hstep, ksc + hk0 * P,
+                              s + r0 * lds + (j0 - jlo), rstep * lds, hstep * lds);
           }
         }
       }
@@ -938,26 +994,21 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
           }
         }
       }
-    for (index_t r = 0; r < R; ++r) {
+    for (index_t r = 0; !vnni && r < R; ++r) {
       C* sr = s + r * lds + (j0 - jlo);
       if (jn < P) std::fill(part + r * P * P + jn * P, part + (r + 1) * P * P, C(0));
       reduce_keys(part + r * P * P, sr);
       for (index_t jj = 0; tails && jj < jn; ++jj) sr[jj] += tails[r * P + jj];
     }
     if constexpr (quant) {
-      // Lane l reads key head g kh + (l % per_group) % kh, g = l / per_group.
+      // Lane l reads key head g kh + (l % per_group) % kh, g = l / per_group
+      // (VNNI: scaled as they were summed).
       using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
       using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
       index_t g = 0, m = 0;
       for (index_t l = 0; l < dl.lanes; ++l) {
         const ConstBlock f(ksc + (g * kh + (kh == 2 ? (m & 1) : 0)) * P);
-        for (index_t ii = 0; ii < n; ++ii) {
-          Block sb(s + (l * n + ii) * lds + (j0 - jlo));
-          if (vnni)
-            sb *= f * qscale[l * n + ii];
-          else
-            sb *= f;
-        }
+        for (index_t ii = 0; !vnni && ii < n; ++ii) Block(s + (l * n + ii) * lds + (j0 - jlo)) *= f;
         if (++m == dl.per_group) m = 0, ++g;
       }
     }
@@ -1003,9 +1054,9 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
     if constexpr (quant) {
       // Each row's weights of the block times its value head's scales.
-      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn,
-                                       dl.groups, p.v_scale.stride(2), even_rows(j0, jn),
-                                       p.v_scale.stride(1), vsc);
+      scales_ok &=
+          block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn, dl.groups,
+                              p.v_scale.stride(2), even_rows(j0, jn), p.v_scale.stride(1), vsc);
       using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
       using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
       for (index_t g = 0; g < dl.groups; ++g) {
@@ -1037,17 +1088,22 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   if (!scales_ok) p.report_bad_scale();
 }
 
-/// decode_finish with attention sinks: each map's merged state (o, lse) is
-/// merged once more with its sink's state (no output, lse = sink), after the
-/// chunks', so a split step counts the sink exactly once.
+/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
+/// (o for plain), and each map's lse. Rows stored narrower than C are formed
+/// in ws.row and rounded once as they are written. With attention sinks, each
+/// map's merged state (o, lse) is merged once more with its sink's state (no
+/// output, lse = sink), after the chunks', so a split step counts the sink
+/// exactly once.
 template <class T, class KV, class C>
-void decode_finish_sinks(const AttentionProblem<T, KV>& p, const SeqSpan& sq,
-                         const DecodeLanes& dl, const C* o, const C* lse, Workspace<C>& ws) {
+void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
+                   const C* o, const C* lse, Workspace<C>& ws) {
   using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
   using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
   const index_t n = dl.n, dv = p.value_dim;
-  C* tmp = ws.row.get(dv);
-  // The merged lse and the factor of the state's o.
+  constexpr bool same = std::is_same<T, C>::value;
+  const bool sinks = !p.sinks.empty();
+  C* tmp = same && !sinks ? nullptr : ws.row.get(dv);
+  // The lse merged with a sink's, and the factor of the state's o.
   auto with_sink = [](C l, C sink, C& f) {
     f = C(1);
     if (std::isnan(l)) return l;
@@ -1063,60 +1119,37 @@ void decode_finish_sinks(const AttentionProblem<T, KV>& p, const SeqSpan& sq,
   for (index_t oh = 0; oh < p.heads; ++oh) {
     const HeadMap hm = head_map(p, oh);
     for (index_t ii = 0; ii < n; ++ii) {
-      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
-      C f1 = C(1), f2 = C(1);
-      const C l1 = with_sink(lse[r1], static_cast<C>(p.sinks(hm.q[0])), f1);
-      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = l1;
-      ArrayMap dst(tmp, dv);
-      dst = f1 * ConstArrayMap(o + r1 * dv, dv);
-      if (dl.maps == 2) {
-        const index_t r2 = r1 + n;
-        const C l2 = with_sink(lse[r2], static_cast<C>(p.sinks(hm.q[1])), f2);
-        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = l2;
-        dst -= (row_lambda(p, sq.b, i, oh) * f2) * ConstArrayMap(o + r2 * dv, dv);
-      }
-      T* out_row = &p.out(sq.b, i, oh, 0);
-      if constexpr (std::is_same<T, C>::value)
-        std::memcpy(out_row, tmp, static_cast<std::size_t>(dv) * sizeof(T));
-      else
-        convert_row(tmp, dv, out_row);
-    }
-  }
-}
-
-/// Final output from the merged states: out = o_1 - lambda o_2 per DIFF head
-/// (o for plain), and each map's lse. Rows stored narrower than C are formed
-/// in ws.row and rounded once as they are written.
-template <class T, class KV, class C>
-void decode_finish(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const DecodeLanes& dl,
-                   const C* o, const C* lse, Workspace<C>& ws) {
-  using ArrayMap = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-  using ConstArrayMap = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>;
-  const index_t n = dl.n, dv = p.value_dim;
-  constexpr bool same = std::is_same<T, C>::value;
-  C* tmp = same ? nullptr : ws.row.get(dv);
-  if (!p.sinks.empty()) {
-    decode_finish_sinks(p, sq, dl, o, lse, ws);
-    return;
-  }
-  for (index_t oh = 0; oh < p.heads; ++oh) {
-    const HeadMap hm = head_map(p, oh);
-    for (index_t ii = 0; ii < n; ++ii) {
-      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii;
-      if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
+      const index_t i = sq.q0 + ii, r1 = oh * dl.maps * n + ii, r2 = r1 + n;
       T* out_row = &p.out(sq.b, i, oh, 0);
       C* dst_row = tmp;
-      if constexpr (same) dst_row = out_row;
+      if constexpr (same)
+        if (!sinks) dst_row = out_row;
       ArrayMap dst(dst_row, dv);
       const ConstArrayMap o1(o + r1 * dv, dv);
-      if (dl.maps == 2) {
-        const index_t r2 = r1 + n;
-        if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
-        dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
+      if (sinks) {
+        C f1 = C(1), f2 = C(1);
+        const C l1 = with_sink(lse[r1], static_cast<C>(p.sinks(hm.q[0])), f1);
+        if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = l1;
+        dst = f1 * o1;
+        if (dl.maps == 2) {
+          const C l2 = with_sink(lse[r2], static_cast<C>(p.sinks(hm.q[1])), f2);
+          if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = l2;
+          dst -= (row_lambda(p, sq.b, i, oh) * f2) * ConstArrayMap(o + r2 * dv, dv);
+        }
       } else {
-        dst = o1;
+        if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = lse[r1];
+        if (dl.maps == 2) {
+          if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = lse[r2];
+          dst = o1 - row_lambda(p, sq.b, i, oh) * ConstArrayMap(o + r2 * dv, dv);
+        } else {
+          dst = o1;
+        }
       }
-      if constexpr (!same) convert_row(tmp, dv, out_row);
+      if constexpr (same) {
+        if (sinks) std::memcpy(out_row, tmp, static_cast<std::size_t>(dv) * sizeof(T));
+      } else {
+        convert_row(tmp, dv, out_row);
+      }
     }
   }
 }
