@@ -238,6 +238,16 @@ bool bitwise_rounded(const Tensor<A, R>& a, const Tensor<B, R>& b) {
   return true;
 }
 
+/// On the float path: dq, dk, dv (and V2's dlambda_logit) are the float
+/// kernel's, each rounded once.
+template <class G16, class GF>
+void check_rounded_inputs(const G16& g16, const GF& gf, Kind kind) {
+  CHECK(bitwise_rounded(g16.dq, gf.dq));
+  CHECK(bitwise_rounded(g16.dk, gf.dk));
+  CHECK(bitwise_rounded(g16.dv, gf.dv));
+  if (kind == Kind::v2) CHECK(bitwise_rounded(g16.dlogit, gf.dlogit));
+}
+
 template <class S>
 void check_case(const Case& c, std::uint64_t seed) {
   const Shape& s = c.s;
@@ -284,10 +294,7 @@ void check_case(const Case& c, std::uint64_t seed) {
   }
   if (!bf16_dot<S>()) {
     // The float kernel's arithmetic, each gradient rounded once.
-    CHECK(bitwise_rounded(g16.dq, gf.dq));
-    CHECK(bitwise_rounded(g16.dk, gf.dk));
-    CHECK(bitwise_rounded(g16.dv, gf.dv));
-    if (c.kind == Kind::v2) CHECK(bitwise_rounded(g16.dlogit, gf.dlogit));
+    check_rounded_inputs(g16, gf, c.kind);
     CHECK(bitwise_rounded(g16.dlambda, gf.dlambda));
   }
 }
@@ -325,10 +332,7 @@ void check_modified_case(const Case& c, std::uint64_t seed) {
   if (!c.sinks.empty())
     check("dsinks", rel_error(g16.dsinks, y.dsinks), rel_error(gf.dsinks, y.dsinks), false);
   if (!bf16_dot<S>()) {
-    CHECK(bitwise_rounded(g16.dq, gf.dq));
-    CHECK(bitwise_rounded(g16.dk, gf.dk));
-    CHECK(bitwise_rounded(g16.dv, gf.dv));
-    if (c.kind == Kind::v2) CHECK(bitwise_rounded(g16.dlogit, gf.dlogit));
+    check_rounded_inputs(g16, gf, c.kind);
     CHECK(bitwise_rounded(g16.dsinks, gf.dsinks));
   }
 }
