@@ -1,6 +1,7 @@
 /// \file
-/// Sharded decoding at the layer level: a MultiheadDiffAttnV2 whose KV cache
-/// is split across the ranks of an MPI communicator (diffattn::mpi::forward).
+/// Sharded decoding at the layer level: a MultiheadDiffAttnV1 or V2 whose KV
+/// cache is split across the ranks of an MPI communicator
+/// (diffattn::mpi::forward).
 /// CMake target diffattn::mpi. Uses only the layer's public interface.
 #pragma once
 
@@ -8,11 +9,13 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "config.hpp"
 #include "detail/layers/module_common.hpp"
 #include "kv_cache.hpp"
+#include "module_v1.hpp"
 #include "module_v2.hpp"
 #include "mpi.hpp"
 #include "quantize.hpp"
@@ -31,6 +34,113 @@ struct LayerStepStats {
   index_t position = 0;   ///< global position (rotary) of the first new token
   DecodeStats attention;  ///< the sharded attention call on this rank
 };
+
+}  // namespace mpi
+
+namespace detail {
+
+/// mpi::forward for either layer: L is MultiheadDiffAttnV1<T> or
+/// MultiheadDiffAttnV2<T>.
+template <class L, class S>
+Tensor<typename L::value_type, 3> sharded_layer_forward(L& layer,
+                                                        TensorView<const typename L::value_type, 3> x,
+                                                        KVCache<S>& cache, MPI_Comm comm,
+                                                        int num_threads, mpi::LayerStepStats* stats) {
+  using T = typename L::value_type;
+  using C = compute_t<T>;
+  constexpr bool v1 = std::is_same<L, MultiheadDiffAttnV1<T>>::value;
+  constexpr const char* fn = "diffattn::mpi::forward";
+  const auto& cfg = layer.config();
+  const index_t B = x.shape(0), n = x.shape(1);
+  RingComm rc(comm, fn);
+  bool ok = true;
+  std::string message;
+  try {
+    if (n < 1) fail(fn, "x has shape ", shape_str(x.shape()), ", expected n >= 1 new tokens");
+    ModuleAccess::check_cache_shape(layer, x, cache);
+    if (cfg.alibi || cfg.window_left >= 0 || cfg.window_right >= 0)
+      fail(fn,
+           "layers with ALiBi or a window are not supported: the ranks' caches do not hold the "
+           "tokens in order once decoding steps spread over them");
+    if (num_threads < 0) fail(fn, "num_threads must be >= 0, got ", num_threads);
+    if (cache.keep() >= 0) fail(fn, "windowed caches are not supported");
+  } catch (const error& e) {
+    ok = false;
+    message = e.what();
+  }
+  agree(rc, ok, message,
+        {{"the batch size B", B},
+         {"the new tokens n", n},
+         {"the embedding width E", x.shape(2)},
+         {"the layer's version", v1 ? 1 : 2},
+         {"the DIFF heads", cfg.num_heads},
+         {"the kv heads", cache.key_heads()},
+         {"the key width", cache.key_dim()},
+         {"the cache type", storage_code<S>()}});
+  // Every rank's (tokens, capacity): the global position and the owner.
+  const int W = rc.size(), me = rc.rank();
+  std::int64_t mine[2] = {cache.size(), cache.capacity()};
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(W));
+  mpi_check(MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, rc.get()), fn,
+            "MPI_Allgather");
+  index_t position = 0;
+  int owner = n > 1 ? W - 1 : 0;
+  for (int r = 0; r < W; ++r) {
+    position += all[2 * r];
+    if (n == 1 && all[2 * r] < all[2 * owner]) owner = r;
+  }
+  if (all[2 * owner] + n > all[2 * owner + 1])
+    fail(fn, "rank ", owner, "'s cache (", all[2 * owner], " of ", all[2 * owner + 1],
+         " tokens) has no room for the ", n, " new tokens it would receive");
+  const int threads_before = layer.num_threads();
+  layer.set_num_threads(num_threads);
+  struct Restore {
+    L& l;
+    int t;
+    ~Restore() { l.set_num_threads(t); }
+  } restore{layer, threads_before};
+  const index_t np = me == owner ? n : 0;  // the new rows this rank's cache receives
+  Tensor<T, 3> y = ModuleAccess::forward_around(
+      layer, x, position,
+      [&](const Tensor<C, 4>& q, const Tensor<C, 4>& k, const Tensor<C, 4>& v, const auto& lambda,
+          Tensor<C, 4>& out, const AttentionOptions& o) {
+        // The owner writes the new rows (reserved, committed after the step).
+        if (np > 0) {
+          const index_t r = cache.reserve(np);
+          TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
+          if constexpr (is_8bit_storage_v<S>) {
+            quantize_rows<C, S>(k.view(), kd, cache.key_scale_rows(r, np));
+            quantize_rows<C, S>(v.view(), vd, cache.value_scale_rows(r, np));
+          } else {
+            const index_t kr = k.shape(2) * k.shape(3), vr = v.shape(2) * v.shape(3);
+            for (index_t b = 0; b < B; ++b) {
+              convert_row(k.data() + b * np * kr, np * kr, &kd(b, 0, 0, 0));
+              convert_row(v.data() + b * np * vr, np * vr, &vd(b, 0, 0, 0));
+            }
+          }
+        }
+        const FullCache full(B, cache, np);
+        mpi::DecodeStats* st = stats ? &stats->attention : nullptr;
+        if constexpr (v1)
+          mpi::diff_attention_v1_kvcache<C, S>(rc.get(), q.view(), cache.keys_with(np),
+                                               cache.values_with(np), lambda, out.view(), {},
+                                               full.batch, o, st);
+        else
+          mpi::diff_attention_v2_kvcache<C, S>(rc.get(), q.view(), cache.keys_with(np),
+                                               cache.values_with(np), lambda.view(), out.view(), {},
+                                               full.batch, o, st);
+      });
+  if (np > 0) cache.commit(np);
+  if (stats) {
+    stats->owner = owner;
+    stats->position = position;
+  }
+  return y;
+}
+
+}  // namespace detail
+
+namespace mpi {
 
 /// \ingroup mpi_decode
 /// Runs `layer` on n >= 1 new tokens x (B, n, E) per sequence after the
@@ -55,117 +165,22 @@ struct LayerStepStats {
 /// is not the tokens' order once decoding steps spread over the ranks, and
 /// windows and ALiBi need the order); softcap and learned sinks work. Caches
 /// must not be windowed. Threads: `num_threads` for the projections and
-/// the attention (0: the OpenMP default).
+/// the attention (0: the OpenMP default); the layer's own setting is restored
+/// on return.
 template <class T, class S>
 Tensor<T, 3> forward(MultiheadDiffAttnV2<T>& layer, TensorView<const T, 3> x, KVCache<S>& cache,
                      MPI_Comm comm, int num_threads = 0, LayerStepStats* stats = nullptr) {
-  using C = compute_t<T>;
-  constexpr const char* fn = "diffattn::mpi::forward";
-  const DiffAttnV2Config& cfg = layer.config();
-  const index_t B = x.shape(0), n = x.shape(1), E = cfg.embed_dim, H = cfg.num_heads,
-                Hkv = cfg.num_kv_heads, hd = cfg.head_dim;
-  detail::RingComm rc(comm, fn);
-  bool ok = true;
-  std::string message;
-  try {
-    if (x.shape(2) != E || n < 1)
-      detail::fail(fn, "x has shape ", detail::shape_str(x.shape()), ", expected (B, n, E = ", E,
-                   ") with n >= 1");
-    if (!cfg.causal) detail::fail(fn, "a KV cache needs a causal layer (config.causal = true)");
-    if (cfg.alibi || cfg.window_left >= 0 || cfg.window_right >= 0)
-      detail::fail(fn,
-                   "layers with ALiBi or a window are not supported: the ranks' caches do not "
-                   "hold the tokens in order once decoding steps spread over them");
-    if (num_threads < 0) detail::fail(fn, "num_threads must be >= 0, got ", num_threads);
-    if (cache.keep() >= 0) detail::fail(fn, "windowed caches are not supported");
-    if (cache.batch() != B || cache.key_heads() != Hkv || cache.key_dim() != hd)
-      detail::fail(fn, "the cache (batch ", cache.batch(), ", ", cache.key_heads(), " heads of ",
-                   cache.key_dim(), ") is not this layer's for x ", detail::shape_str(x.shape()),
-                   " (batch ", B, ", ", Hkv, " kv heads of ", hd, ")");
-  } catch (const error& e) {
-    ok = false;
-    message = e.what();
-  }
-  detail::agree(rc, ok, message,
-                {{"the batch size B", B},
-                 {"the new tokens n", n},
-                 {"the embedding width E", E},
-                 {"the DIFF heads", H},
-                 {"the kv heads", Hkv},
-                 {"the head width", hd},
-                 {"the cache type", detail::storage_code<S>()}});
-  // Every rank's (tokens, capacity): the global position and the owner.
-  const int W = rc.size(), me = rc.rank();
-  std::int64_t mine[2] = {cache.size(), cache.capacity()};
-  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(W));
-  detail::mpi_check(MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, rc.get()), fn,
-                    "MPI_Allgather");
-  index_t position = 0;
-  int owner = n > 1 ? W - 1 : 0;
-  for (int r = 0; r < W; ++r) {
-    position += all[2 * r];
-    if (n == 1 && all[2 * r] < all[2 * owner]) owner = r;
-  }
-  if (all[2 * owner] + n > all[2 * owner + 1])
-    detail::fail(fn, "rank ", owner, "'s cache (", all[2 * owner], " of ", all[2 * owner + 1],
-                 " tokens) has no room for the ", n, " new tokens it would receive");
-  // Projections and rotary at the global positions.
-  auto params = layer.parameters();
-  const Tensor<T, 3> xc = detail::module_contiguous_copy<T>(x);
-  const index_t rows = B * n;
-  Tensor<C, 4> q({B, n, 2 * H, hd}), k({B, n, Hkv, hd}), v({B, n, Hkv, hd});
-  Tensor<C, 3> logit({B, n, H});
-  detail::module_linear(xc.data(), rows, E, params.at("q_proj.weight").data(), 2 * H * hd, q.data(),
-                        num_threads);
-  detail::module_linear(xc.data(), rows, E, params.at("k_proj.weight").data(), Hkv * hd, k.data(),
-                        num_threads);
-  detail::module_linear(xc.data(), rows, E, params.at("v_proj.weight").data(), Hkv * hd, v.data(),
-                        num_threads);
-  detail::module_linear(xc.data(), rows, E, params.at("lambda_proj.weight").data(), H, logit.data(),
-                        num_threads);
-  if (cfg.rope) {
-    apply_rope<C>(q.view(), position, cfg.rope_base);
-    apply_rope<C>(k.view(), position, cfg.rope_base);
-  }
-  // The owner writes the new rows (reserved, committed only after the step).
-  const index_t np = me == owner ? n : 0;
-  if (np > 0) {
-    const index_t r = cache.reserve(np);
-    TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
-    if constexpr (is_8bit_storage_v<S>) {
-      quantize_rows<C, S>(k.view(), kd, cache.key_scale_rows(r, np));
-      quantize_rows<C, S>(v.view(), vd, cache.value_scale_rows(r, np));
-    } else {
-      for (index_t b = 0; b < B; ++b) {
-        detail::convert_row(&k(b, 0, 0, 0), np * Hkv * hd, &kd(b, 0, 0, 0));
-        detail::convert_row(&v(b, 0, 0, 0), np * Hkv * hd, &vd(b, 0, 0, 0));
-      }
-    }
-  }
-  AttentionOptions o;
-  o.causal = true;
-  o.num_threads = num_threads;
-  o.softcap = cfg.softcap;
-  std::vector<float> sinks;
-  if (cfg.sinks) {
-    const TensorView<T, 1> s = params.at("sinks");
-    for (index_t i = 0; i < s.size(); ++i) sinks.push_back(static_cast<float>(s(i)));
-    o.sinks = TensorView<const float, 1>(sinks.data(), {static_cast<index_t>(sinks.size())});
-  }
-  const detail::FullCache full(B, cache, np);
-  Tensor<C, 4> attn({B, n, H, hd});
-  diff_attention_v2_kvcache<C, S>(rc.get(), q.view(), cache.keys_with(np), cache.values_with(np),
-                                  logit.view(), attn.view(), {}, full.batch, o,
-                                  stats ? &stats->attention : nullptr);
-  if (np > 0) cache.commit(np);
-  Tensor<T, 3> y({B, n, E});
-  detail::module_linear(attn.data(), rows, H * hd, params.at("o_proj.weight").data(), E, y.data(),
-                        num_threads);
-  if (stats) {
-    stats->owner = owner;
-    stats->position = position;
-  }
-  return y;
+  return detail::sharded_layer_forward(layer, x, cache, comm, num_threads, stats);
+}
+
+/// \ingroup mpi_decode
+/// The same for a DIFF V1 layer (diffattn::mpi::diff_attention_v1_kvcache
+/// over the ranks' slices, then the layer's per-head norm and output
+/// projection on every rank).
+template <class T, class S>
+Tensor<T, 3> forward(MultiheadDiffAttnV1<T>& layer, TensorView<const T, 3> x, KVCache<S>& cache,
+                     MPI_Comm comm, int num_threads = 0, LayerStepStats* stats = nullptr) {
+  return detail::sharded_layer_forward(layer, x, cache, comm, num_threads, stats);
 }
 
 }  // namespace mpi

@@ -1,5 +1,5 @@
-// Sharded decoding at the layer level (diffattn::mpi::forward): a V2 layer
-// decodes several steps and prefill chunks with its cache split across the
+// Sharded decoding at the layer level (diffattn::mpi::forward): a V1 or V2
+// layer decodes several steps and prefill chunks with its cache split across the
 // ranks; every step's y is checked against the single-process layer with one
 // cache, bitwise across ranks, and the caches' sizes against the append rule.
 // Prints "mpi_layer: <passed> passed, <failed> failed" (summed over the ranks).
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <diffattn/detail/core/random.hpp>
+#include <diffattn/module_v1.hpp>
 #include <diffattn/module_v2.hpp>
 
 #include "mpi_check.hpp"
@@ -34,9 +35,10 @@ using mpi_check::rel_error;
 using mpi_check::same_on_all_ranks;
 
 /// Steps of n tokens: a prefill chunk, decoding steps, another chunk, more steps.
-template <class T, class S>
-void run_layer(const char* name, diffattn::DiffAttnV2Config cfg, double tol) {
-  diffattn::MultiheadDiffAttnV2<T> layer(cfg, 17);
+template <class T, class S, class Layer = diffattn::MultiheadDiffAttnV2<T>, class Config>
+void run_layer(const char* name, Config cfg, double tol) {
+  Layer layer(cfg, 17);
+  layer.set_num_threads(2);
   if (cfg.sinks) {
     auto p = layer.parameters();
     auto s = p.at("sinks");
@@ -68,6 +70,7 @@ void run_layer(const char* name, diffattn::DiffAttnV2Config cfg, double tol) {
     long long size = slice.size(), sum = 0;
     MPI_Allreduce(&size, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
     check(sum == total, what + ": the slices hold every token once");
+    check(layer.num_threads() == 2, what + ": the layer's threads restored");
   }
 }
 
@@ -127,6 +130,16 @@ int main(int argc, char** argv) {
     mods.softcap = 4.0f;
     mods.sinks = true;
     run_layer<float, float>("float, softcap and sinks, GQA", mods, 2e-5);
+    diffattn::DiffAttnV1Config v1{32, 2, 1};  // E 32, 2 DIFF heads on 1 kv pair, d = 8
+    using V1f = diffattn::MultiheadDiffAttnV1<float>;
+    run_layer<float, float, V1f>("V1 float", v1, 2e-5);
+    run_layer<double, double, diffattn::MultiheadDiffAttnV1<double>>("V1 double", v1, 1e-12);
+    run_layer<float, diffattn::bfloat16, V1f>("V1 float, bfloat16 cache", v1, 2e-5);
+    run_layer<float, std::int8_t, V1f>("V1 float, int8 cache", v1, 2e-5);
+    diffattn::DiffAttnV1Config v1m{48, 4, 2};
+    v1m.softcap = 4.0f;
+    v1m.sinks = true;
+    run_layer<float, float, V1f>("V1 float, softcap and sinks, GQA", v1m, 2e-5);
     layer_errors();
   } catch (const std::exception& e) {
     check(false, std::string("unexpected exception: ") + e.what());

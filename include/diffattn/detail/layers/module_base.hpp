@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../../attention.hpp"
@@ -105,6 +106,8 @@ decltype(auto) module_lambda_rows(L& l, index_t a, index_t np) {
   }
 }
 
+struct ModuleAccess;
+
 /// The members MultiheadDiffAttnV1 and MultiheadDiffAttnV2 share. Derived
 /// provides, as friends of this class may call them:
 ///   static constexpr const char* kName;                 // "MultiheadDiffAttnV1"
@@ -148,6 +151,8 @@ class ModuleBase {
     if (n < 0) fail_in("set_num_threads", "n must be >= 0, got ", n);
     num_threads_ = n;
   }
+  /// The threads set by set_num_threads (0: the OpenMP default).
+  int num_threads() const noexcept { return num_threads_; }
 
   /// Runs the layer on x (B, N, E) (any strides) and returns y (B, N, E),
   /// contiguous. Tokens sit at positions position_offset .. position_offset + N - 1
@@ -485,8 +490,48 @@ class ModuleBase {
                        h.value_heads, h.value_dim, c.window_left);
   }
 
+  /// The cached forward around an attention call the caller makes
+  /// (diffattn::mpi::forward, whose ranks each hold a slice of the cache):
+  /// projects x (B, n, E) with its tokens at positions position ..
+  /// position + n - 1, calls attend(q, k, v, lambda, out, options) on the new
+  /// tokens' q, k, v (B, n, heads, width, compute_type), the kernel's lambda
+  /// argument (a scalar for V1, the (B, n, H) logits for V2), out (B, n, H,
+  /// dv) to fill and the layer's kernel options, then returns y (B, n, E).
+  /// Keeps nothing for backward. check_cache_shape(x, cache) first.
+  template <class Attend>
+  Tensor<T, 3> forward_around(TensorView<const T, 3> x, index_t position, Attend&& attend) {
+    derived().saved_ = typename Derived::Saved{};
+    typename Derived::Saved s;
+    s.x = module_contiguous_copy<T>(x);
+    derived().project(s, position, nullptr);
+    const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
+    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
+    attend(s.q, s.k, s.v, derived().lambda_of(s), s.attn, options());
+    return derived().output(s);
+  }
+  /// check_cache without the room for x's tokens (a sharded step appends them
+  /// to one rank's cache only).
+  template <class S>
+  void check_cache_shape(const TensorView<const T, 3>& x, const KVCache<S>& cache) const {
+    check_cache(TensorView<const T, 3>(x.data(), {x.shape(0), 0, x.shape(2)}, x.strides()), cache);
+  }
+  friend struct ModuleAccess;
+
   ModuleGrads<T> grads_;  // one buffer per parameter, keyed as parameters()
   int num_threads_ = 0;
+};
+
+/// The layers' hooks for diffattn::mpi::forward (ModuleBase's private
+/// forward_around and check_cache_shape).
+struct ModuleAccess {
+  template <class Layer, class... A>
+  static auto forward_around(Layer& layer, A&&... a) {
+    return layer.forward_around(std::forward<A>(a)...);
+  }
+  template <class Layer, class... A>
+  static void check_cache_shape(const Layer& layer, A&&... a) {
+    layer.check_cache_shape(std::forward<A>(a)...);
+  }
 };
 
 }  // namespace detail
