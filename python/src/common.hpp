@@ -10,11 +10,15 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include <diffattn/detail/core/memory.hpp>
 #include <diffattn/diffattn.hpp>
 
 namespace diffattn_py {
@@ -135,11 +139,26 @@ TensorView<T, R> view_of(const char* fn, const char* name, const py::array& a) {
   }
 }
 
-/// A new C-contiguous array of storage T.
+/// A new C-contiguous array of storage T, uninitialised. One of 2 MiB or more
+/// sits on transparent huge pages, as diffattn's Tensor does (one page fault
+/// per 2 MiB: the kernels' outputs and gradients are written into fresh
+/// memory on every call).
 template <class T, std::size_t R>
 py::array new_array(const std::array<index_t, R>& shape) {
   std::vector<py::ssize_t> s(shape.begin(), shape.end());
-  return py::array(np_dtype<T>(), s);
+  std::size_t bytes = sizeof(T);
+  for (index_t e : shape) bytes *= static_cast<std::size_t>(e);
+  if (bytes < diffattn::detail::huge_page_bytes) return py::array(np_dtype<T>(), s);
+  struct Free {
+    void operator()(void* q) const noexcept {
+      ::operator delete(q, std::align_val_t(diffattn::detail::huge_page_bytes));
+    }
+  };
+  std::unique_ptr<void, Free> buffer(
+      diffattn::detail::allocate_uninitialized(bytes, alignof(std::max_align_t)));
+  py::capsule owner(buffer.get(), [](void* q) { Free{}(q); });
+  void* p = buffer.release();  // the capsule owns it now
+  return py::array(np_dtype<T>(), s, p, owner);
 }
 
 /// An output: `given` (an ndarray, written in place; the kernel checks its

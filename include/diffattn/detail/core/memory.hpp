@@ -34,14 +34,21 @@ inline std::size_t zeroed_alignment(std::size_t bytes, std::size_t align) noexce
   return bytes >= huge_page_bytes && align < huge_page_bytes ? huge_page_bytes : align;
 }
 
-/// `bytes` (> 0) of zeros aligned to zeroed_alignment(bytes, align); free with
-/// ::operator delete(p, std::align_val_t(zeroed_alignment(bytes, align))).
-inline void* allocate_zeroed(std::size_t bytes, std::size_t align) {
+/// `bytes` (> 0), uninitialised, aligned to zeroed_alignment(bytes, align);
+/// free with ::operator delete(p, std::align_val_t(zeroed_alignment(bytes,
+/// align))).
+inline void* allocate_uninitialized(std::size_t bytes, std::size_t align) {
   const std::size_t a = zeroed_alignment(bytes, align);
   void* p = ::operator new(bytes, std::align_val_t(a));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (a == huge_page_bytes) (void)::madvise(p, bytes & ~(huge_page_bytes - 1), MADV_HUGEPAGE);
 #endif
+  return p;
+}
+
+/// allocate_uninitialized, then zero-filled.
+inline void* allocate_zeroed(std::size_t bytes, std::size_t align) {
+  void* p = allocate_uninitialized(bytes, align);
   std::memset(p, 0, bytes);
   return p;
 }
