@@ -5,14 +5,14 @@
 // DIFF V1, then V2 for comparison, causal, float, forward and backward.
 // Baseline on rank 0 alone (the other ranks sleep, not spin): the fused
 // single-process kernels. Then the MPI calls over all ranks, zigzag and
-// contiguous (V1: the keys gathered, the fused kernels on each rank's rows;
-// V2: the ring with per-map states): time of the slowest rank, the largest
+// contiguous (V1 and V2: the keys gathered, the fused kernels on each rank's
+// rows): time of the slowest rank, the largest
 // fraction of a call spent in MPI, bytes sent. Best of --reps runs each.
 // The speed-up also in CPU time (the fused call's against the busiest rank's):
 // on shared cores wall time follows each process's share of a core. For V1
 // with zigzag sharding, each rank's own computation (the fused kernel on its
-// query runs) is also timed alone on rank 0, in CPU time. Last, the zigzag ring's
-// forward with score modifiers (softcap; ALiBi over global positions; sinks) against the same ring
+// query runs) is also timed alone on rank 0, in CPU time. Last, V1's zigzag call's
+// forward with score modifiers (softcap; ALiBi over global positions; sinks) against the same call
 // without, the calls interleaved, as ratios of the best times.
 //
 //   mpirun -np 2 ./build/bench/bench_mpi --decode [--keys 262144] [--bf16] [--reps 5]
@@ -478,7 +478,7 @@ int main(int argc, char** argv) {
       }
     if (rank == 0)
       for (int m = 0; m < 4; ++m)
-        std::printf("  %d ranks, ring, zigzag, modifier %-8s %8.3f s   %.3fx the ring without\n",
+        std::printf("  %d ranks, V1 zigzag, modifier %-8s %8.3f s   %.3fx the call without\n",
                     world, names[m], best[m], best[m] / best[0]);
   }
   MPI_Finalize();

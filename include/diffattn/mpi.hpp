@@ -50,21 +50,21 @@ namespace mpi {
 /// (causal: window_right = 0; -1 drops a limit). Pairs of chunks outside the
 /// band are never computed.
 ///
-/// Algorithm: ring attention for plain attention and V2. Each rank keeps its
+/// Algorithm: ring attention for plain attention. Each rank keeps its
 /// queries; the key/value shards travel around the ring (MPI_Isend /
 /// MPI_Irecv to the neighbours), the next one arriving while the current one
-/// is computed. Each softmax map keeps its own (o, lse) state, merged exactly
-/// (merge_states); lambda is subtracted after the last merge. V2 thus does
-/// 4/3 x the arithmetic of the fused single-process kernel (two products with
-/// the values instead of one). V1 (values 2d wide, where that would be 1.5x)
-/// instead gathers the key/value shards of all ranks (one MPI_Allgather) and
-/// runs the fused single-process kernel on each run of the rank's queries
-/// against the keys it sees; its backward runs the fused backward likewise
-/// and returns each rank's dK and dV by one MPI_Alltoall, added in rank
-/// order. The price: during a V1 call every rank holds the whole sequence's
-/// K and V (and in the backward their gradients), B N (4 Hkv d) values each;
-/// so V1 gathers only while they take at most 256 MiB per rank, and beyond
-/// runs the ring with per-map states, as V2.
+/// is computed, and each softmax map keeps its own (o, lse) state, merged
+/// exactly (merge_states). For V1 and V2 per-map states would cost 1.5x and
+/// 4/3 x the fused single-process kernel's arithmetic (two products with the
+/// values instead of one W V), so they gather the key/value shards of all
+/// ranks instead (one MPI_Allgather) and run the fused single-process kernel
+/// on each run of the rank's queries against the keys it sees; the backward
+/// runs the fused backward likewise and returns each rank's dK and dV by one
+/// MPI_Alltoall, added in rank order. The price: during such a call every
+/// rank holds the whole sequence's K and V (and in the backward their
+/// gradients); so V1 and V2 gather only while those take at most 256 MiB per
+/// rank, and beyond run the ring with per-map states, lambda subtracted after
+/// the last merge.
 ///
 /// Collective: every rank of `comm` must call with the same options, lambda,
 /// sharding and shard shapes. Before any ring traffic the ranks exchange these

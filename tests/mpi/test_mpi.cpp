@@ -586,15 +586,16 @@ int main(int argc, char** argv) {
       run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
       run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
     }
-    // V1 beyond the size it gathers its keys at: the ring with per-map states.
-    diffattn::detail::v1_gather_limit() = 0;
+    // V1 and V2 beyond the size they gather their keys at: the ring with
+    // per-map states.
+    diffattn::detail::gather_limit() = 0;
     for (const std::vector<Case>* list : {&cases, &mod_cases})
       for (const Case& c : *list)
-        if (c.kind == Kind::v1) {
+        if (c.kind != Kind::plain) {
           run_case<double>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
           run_case<float>(c, seed += 10, MPI_COMM_WORLD, g_rank, g_world);
         }
-    diffattn::detail::v1_gather_limit() = std::uint64_t(256) << 20;
+    diffattn::detail::gather_limit() = std::uint64_t(256) << 20;
     // User functors, i and j global: documents across shard boundaries.
     for (Sharding s : {Sharding::zigzag, Sharding::contiguous}) {
       const Case v1c{Kind::v1, 1, 2 * W * 7, 2, 1, 8, true, -1, -1, s, false, all};
@@ -604,11 +605,11 @@ int main(int argc, char** argv) {
       const Case plk{Kind::plain, 1, 2 * W * 12, 2, 1, 8, true, -1, -1, s, false, {}};
       for (index_t doc : {index_t(5), index_t(W * 7 + 3)}) {
         for (std::uint64_t limit : {std::uint64_t(0), std::uint64_t(256) << 20}) {
-          diffattn::detail::v1_gather_limit() = limit;  // V1 on the ring, then gathered
+          diffattn::detail::gather_limit() = limit;  // V1, V2 on the ring, then gathered
           run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
           run_case<float>(v1h, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
+          run_case<double>(v2c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
         }
-        run_case<double>(v2c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
         run_case<double>(plc, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocBlocks{doc});
         run_case<float>(plk, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocWarp{doc});
         run_case<double>(v1c, seed += 10, MPI_COMM_WORLD, g_rank, g_world, DocRanges{doc});

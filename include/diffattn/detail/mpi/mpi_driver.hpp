@@ -183,8 +183,8 @@ void ring_attention_forward(RingComm& rc, const AttentionProblem<T>& p,
     return;
   }
   const RingProblem<T> rp = ring_problem(p, options, s);
-  if (v1_gathers(rp, rc.size())) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
-    gathered_v1_forward(rc, rp, p, options, mod);
+  if (gathers(rp, rc.size())) {  // the keys gathered, the fused kernel (mpi_gather.hpp)
+    gathered_forward(rc, rp, p, options, mod);
     return;
   }
   std::vector<int> maps = rp.maps() == 2 ? std::vector<int>{0, 1} : std::vector<int>{0};
@@ -233,8 +233,8 @@ std::vector<double> ring_attention_backward(RingComm& rc, const BackwardProblem<
   }
   const AttentionProblem<T>& p = bp.fwd;
   const RingProblem<T> rp = ring_problem(p, options, s);
-  if (v1_gathers(rp, rc.size()))  // the keys gathered, the fused backward (mpi_gather.hpp)
-    return gathered_v1_backward(rc, rp, bp, options, mod);
+  if (gathers(rp, rc.size()))  // the keys gathered, the fused backward (mpi_gather.hpp)
+    return gathered_backward(rc, rp, bp, options, mod);
   const int maps = rp.maps();
   const std::array<index_t, 4> oshape = {rp.B, rp.n, rp.H, rp.dv};
   std::vector<Tensor<T, 4>> o, o2;

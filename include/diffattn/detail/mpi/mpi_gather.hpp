@@ -1,30 +1,31 @@
-// DIFF V1 over MPI with the keys and values gathered: every rank gathers the
-// key/value shards of all ranks (one MPI_Allgather) into the global sequence,
-// then runs the fused single-process kernel on each run of its own queries
-// against the keys that run sees; the backward runs the fused backward the
-// same way and sends each rank the dK and dV of its tokens (one MPI_Alltoall),
-// added in rank order.
+// DIFF V1 and V2 over MPI with the keys and values gathered: every rank
+// gathers the key/value shards of all ranks (one MPI_Allgather) into the
+// global sequence, then runs the fused single-process kernel on each run of
+// its own queries against the keys that run sees; the backward runs the fused
+// backward the same way and sends each rank the dK and dV of its tokens (one
+// MPI_Alltoall), added in rank order.
 //
-// Why not the ring for V1: the ring keeps one (o, lse) state per softmax map
-// and merges them across ranks, two products with V1's 2d-wide values per
-// pair where the fused kernel forms W = A1 - lambda A2 over whole score rows
-// and does one W V: 1.5x its arithmetic (2d + 2 x 2d multiply-adds per query
-// and key against 2d + 2d). Settling the statistics first (a pass over the
-// keys for each row's lse per map, then W V once per pair with the final
-// ones) computes the scores twice: 2d + (2d + 2d), the same 1.5x. The fused
-// kernel does 1x because it holds a block's whole score rows at once; across
-// ranks that means holding all keys. The backward is worse on the ring: the
-// pair calls need D_m = dO_m . o_m over all keys, so the ring first recomputes
-// map 2's output (another 3d per pair), and each map's backward re-reads the
-// 2d-wide values and dO (7d per map against 10d for both in the fused
-// backward). With the keys gathered the work is exactly the fused kernels'
-// on each rank's rows, and zigzag sharding still balances it under a causal
-// mask. The price is memory: every rank holds the whole sequence's K and V
-// (and in the backward their gradients) during the call, N (4 Hkv d) values
-// for V1, where the ring holds two shards. So V1 gathers only while the whole
-// sequence's K and V take at most v1_gather_limit() bytes (256 MiB: the
-// forward then holds about twice that, the backward five times); beyond, it
-// runs the ring with per-map states like V2.
+// Why not the ring for the differential kinds: the ring keeps one (o, lse)
+// state per softmax map and merges them across ranks, so it multiplies each
+// map's probabilities by the values apart, where the fused kernel forms
+// W = A1 - lambda A2 over whole score rows and does one W V. Per query and
+// key that is 2d + 2 x 2d multiply-adds against 2d + 2d for V1 (2d-wide
+// values: 1.5x), 2d + 2d against 2d + d for V2 (1.33x). Settling the
+// statistics first (a pass over the keys for each row's lse per map, then
+// W V once per pair with the final ones) computes the scores twice, the same
+// cost. The fused kernel does 1x because it holds a block's whole score rows
+// at once; across ranks that means holding all keys. The backward is worse on
+// the ring: the pair calls need D_m = dO_m . o_m over all keys, so the ring
+// first recomputes map 2's output, and each map's backward re-reads the
+// values and dO. With the keys gathered the work is exactly the fused
+// kernels' on each rank's rows, and zigzag sharding still balances it under a
+// causal mask. The price is memory: every rank holds the whole sequence's K
+// and V (and in the backward their gradients) during the call, where the ring
+// holds two shards. So the differential kinds gather only while the whole
+// sequence's K and V take at most gather_limit() bytes (256 MiB: the forward
+// then holds about twice that, the backward five times); beyond, they run the
+// ring with per-map states. Plain attention always runs the ring (one map:
+// its per-map state is the fused kernel's own).
 #pragma once
 
 #include <algorithm>
@@ -45,20 +46,27 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// The largest gathered K and V (bytes per rank) for which V1 gathers
+/// The largest gathered K and V (bytes per rank) for which V1 and V2 gather
 /// instead of running the ring; the same on every rank (tests lower it to
 /// run the ring).
-inline std::uint64_t& v1_gather_limit() {
+inline std::uint64_t& gather_limit() {
   static std::uint64_t limit = std::uint64_t(256) << 20;
   return limit;
 }
 
-/// Whether a V1 call over `world` ranks gathers its keys and values: a
-/// decision from agreed shapes alone, so every rank takes the same.
+/// Whether a call over `world` ranks gathers its keys and values (V1 and V2
+/// within gather_limit()): a decision from agreed shapes alone, so every rank
+/// takes the same.
 template <class T>
-bool v1_gathers(const RingProblem<T>& rp, int world) {
+bool gathers(const RingProblem<T>& rp, int world) {
   const double bytes = static_cast<double>(rp.block_elems()) * world * sizeof(T);
-  return rp.kind == AttnKind::v1 && bytes <= static_cast<double>(v1_gather_limit());
+  return rp.kind != AttnKind::plain && bytes <= static_cast<double>(gather_limit());
+}
+
+/// Token rows [r0, r0 + len) of a (B, N, H) view (V2's lambda_logit).
+template <class U>
+TensorView<U, 3> token_rows(const TensorView<U, 3>& t, index_t r0, index_t len) {
+  return TensorView<U, 3>(t.data() + r0 * t.stride(1), {t.shape(0), len, t.shape(2)}, t.strides());
 }
 
 /// The whole sequence's keys (B, N, Hk, d) and values (B, N, Hkv, dv), in
@@ -147,33 +155,39 @@ void for_each_gathered_run(const RingProblem<T>& rp, const RingComm& rc,
   }
 }
 
-/// Forward of V1 (W > 1 ranks): out and lse of the rank's rows.
+/// Forward of V1 or V2 (W > 1 ranks): out and lse of the rank's rows.
 template <class T, class Mod>
-void gathered_v1_forward(RingComm& rc, const RingProblem<T>& rp, const AttentionProblem<T>& p,
-                         const AttentionOptions& options, const Mod& mod) {
+void gathered_forward(RingComm& rc, const RingProblem<T>& rp, const AttentionProblem<T>& p,
+                      const AttentionOptions& options, const Mod& mod) {
   const GatheredKV<T> g = gather_kv(rp, rc);
   const T lambda = p.lambda_scalar;
   const bool per_head = !p.lambda_heads.empty();
   for_each_gathered_run(
       rp, rc, options, mod,
       [&](const ShardRun&, const PairWindow& w, const AttentionOptions& opt, const auto& pm) {
-        const AttentionProblem<T> sub = validate_v1<T>(
-            rows_of(p.q, w.q0, w.n), rows_of(g.k.view(), w.k0, w.m), rows_of(g.v.view(), w.k0, w.m),
-            per_head ? nullptr : &lambda, per_head ? &p.lambda_heads : nullptr,
-            rows_of(p.out, w.q0, w.n), lse_rows(p.lse, w.q0, w.n), opt, rc.fn());
+        const auto q = rows_of(p.q, w.q0, w.n);
+        const auto k = rows_of(g.k.view(), w.k0, w.m), v = rows_of(g.v.view(), w.k0, w.m);
+        const auto out = rows_of(p.out, w.q0, w.n);
+        const auto lse = lse_rows(p.lse, w.q0, w.n);
+        const AttentionProblem<T> sub =
+            rp.kind == AttnKind::v1
+                ? validate_v1<T>(q, k, v, per_head ? nullptr : &lambda,
+                                 per_head ? &p.lambda_heads : nullptr, out, lse, opt, rc.fn())
+                : validate_v2<T>(q, k, v, token_rows(p.lambda_logit, w.q0, w.n), out, lse, opt,
+                                 rc.fn());
         run_attention(sub, opt, pm);
       });
 }
 
-/// Backward of V1 (W > 1 ranks): dq of the rank's rows, dk and dv of its
-/// tokens (the sum over every rank's rows, added in rank order), dsinks (the
-/// sum over every rank, the same bits on each). Returns the local sums of
-/// dlambda (one per DIFF head with per-head lambda, else one) for the caller's
-/// allreduce.
+/// Backward of V1 or V2 (W > 1 ranks): dq (and V2's dlambda_logit) of the
+/// rank's rows, dk and dv of its tokens (the sum over every rank's rows,
+/// added in rank order), dsinks (the sum over every rank, the same bits on
+/// each). Returns V1's local sums of dlambda (one per DIFF head with per-head
+/// lambda, else one; empty for V2) for the caller's allreduce.
 template <class T, class Mod>
-std::vector<double> gathered_v1_backward(RingComm& rc, const RingProblem<T>& rp,
-                                         const BackwardProblem<T>& bp,
-                                         const AttentionOptions& options, const Mod& mod) {
+std::vector<double> gathered_backward(RingComm& rc, const RingProblem<T>& rp,
+                                      const BackwardProblem<T>& bp,
+                                      const AttentionOptions& options, const Mod& mod) {
   const AttentionProblem<T>& p = bp.fwd;
   const int W = rc.size();
   const index_t N = rp.n * W;
@@ -183,7 +197,8 @@ std::vector<double> gathered_v1_backward(RingComm& rc, const RingProblem<T>& rp,
   dv_all.fill(T(0));
   const T lambda = p.lambda_scalar;
   const bool per_head = !p.lambda_heads.empty();
-  const index_t nl = per_head ? rp.H : 1, Hq = p.q.shape(2);
+  const bool v1 = rp.kind == AttnKind::v1;
+  const index_t nl = !v1 ? 0 : per_head ? rp.H : 1, Hq = p.q.shape(2);
   std::vector<double> dlambda(static_cast<std::size_t>(nl), 0.0);
   std::vector<double> dsinks(static_cast<std::size_t>(bp.dsinks.empty() ? 0 : Hq), 0.0);
   Tensor<T, 1> dl({nl}), ds({bp.dsinks.empty() ? 0 : Hq});
@@ -191,11 +206,18 @@ std::vector<double> gathered_v1_backward(RingComm& rc, const RingProblem<T>& rp,
       rp, rc, options, mod,
       [&](const ShardRun&, const PairWindow& w, const AttentionOptions& opt, const auto& pm) {
         Tensor<T, 4> dk_t({rp.B, w.m, rp.Hk, rp.d}), dv_t({rp.B, w.m, rp.Hkv, rp.dv});
-        BackwardProblem<T> sub = backward_v1<T>(
-            rows_of(p.q, w.q0, w.n), rows_of(g.k.view(), w.k0, w.m), rows_of(g.v.view(), w.k0, w.m),
-            per_head ? nullptr : &lambda, per_head ? &p.lambda_heads : nullptr,
-            rows_of(p.out, w.q0, w.n), rows_of(p.lse, w.q0, w.n), rows_of(bp.dout, w.q0, w.n),
-            rows_of(bp.dq, w.q0, w.n), dk_t.view(), dv_t.view(), dl.view(), opt, rc.fn());
+        const auto q = rows_of(p.q, w.q0, w.n);
+        const auto k = rows_of(g.k.view(), w.k0, w.m), v = rows_of(g.v.view(), w.k0, w.m);
+        const auto out = rows_of(p.out, w.q0, w.n), dout = rows_of(bp.dout, w.q0, w.n);
+        const auto lse = rows_of(p.lse, w.q0, w.n);
+        const auto dq = rows_of(bp.dq, w.q0, w.n);
+        BackwardProblem<T> sub =
+            v1 ? backward_v1<T>(q, k, v, per_head ? nullptr : &lambda,
+                                per_head ? &p.lambda_heads : nullptr, out, lse, dout, dq,
+                                dk_t.view(), dv_t.view(), dl.view(), opt, rc.fn())
+               : backward_v2<T>(q, k, v, token_rows(p.lambda_logit, w.q0, w.n), out, lse, dout, dq,
+                                dk_t.view(), dv_t.view(),
+                                token_rows(bp.dlambda_logit, w.q0, w.n), opt, rc.fn());
         attach_dsinks(rc.fn(), sub, ds.view());
         run_attention_backward(sub, opt, pm);
         const index_t kr = token_k_elems(rp), vr = token_v_elems(rp);
