@@ -29,6 +29,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cstdint>
 #include <vector>
 
@@ -38,6 +40,7 @@
 #include "../../options.hpp"
 #include "../../tensor.hpp"
 #include "../backward/attention_backward.hpp"
+#include "../core/memory.hpp"
 #include "../core/validate.hpp"
 #include "../kernel/attention_kernel.hpp"
 #include "mpi_comm.hpp"
@@ -45,6 +48,31 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
+
+/// An owned, uninitialised buffer of n T (64-byte aligned; on huge pages
+/// from huge_page_bytes): scratch that is written in full before it is read.
+template <class T>
+class UninitBuffer {
+ public:
+  explicit UninitBuffer(index_t n)
+      : bytes_(static_cast<std::size_t>(n > 0 ? n : 0) * sizeof(T)),
+        data_(bytes_ > 0 ? static_cast<T*>(allocate_uninitialized(bytes_, 64)) : nullptr) {}
+  ~UninitBuffer() {
+    if (data_) ::operator delete(data_, std::align_val_t(zeroed_alignment(bytes_, 64)));
+  }
+  UninitBuffer(UninitBuffer&& o) noexcept : bytes_(o.bytes_), data_(o.data_) {
+    o.bytes_ = 0;
+    o.data_ = nullptr;
+  }
+  UninitBuffer(const UninitBuffer&) = delete;
+  UninitBuffer& operator=(const UninitBuffer&) = delete;
+  UninitBuffer& operator=(UninitBuffer&&) = delete;
+  T* data() const noexcept { return data_; }
+
+ private:
+  std::size_t bytes_;
+  T* data_;
+};
 
 /// The largest gathered K and V (bytes per rank) for which V1 and V2 gather
 /// instead of running the ring; the same on every rank (tests lower it to
@@ -70,10 +98,11 @@ TensorView<U, 3> token_rows(const TensorView<U, 3>& t, index_t r0, index_t len) 
 }
 
 /// The whole sequence's keys (B, N, Hk, d) and values (B, N, Hkv, dv), in
-/// global token order.
+/// global token order: views of the buffers held.
 template <class T>
 struct GatheredKV {
-  Tensor<T, 4> k, v;
+  UninitBuffer<T> kbuf, vbuf;
+  TensorView<const T, 4> k, v;
 };
 
 /// Elements of one token's keys and of its values in a block.
@@ -104,20 +133,27 @@ template <class T>
 GatheredKV<T> gather_kv(const RingProblem<T>& rp, RingComm& rc) {
   const int W = rc.size();
   const index_t be = rp.block_elems(), N = rp.n * W;
-  Tensor<T, 1> all({be * W});
+  // Uninitialised: every element is written before it is read (the ranks'
+  // runs cover every token once), so no zero fill.
+  UninitBuffer<T> all(be * W);
   {
-    Tensor<T, 1> mine({be});
+    UninitBuffer<T> mine(be);
     pack_block(rp, mine.data());
     rc.allgather(mine.data(), all.data(), be);
   }
-  GatheredKV<T> g{Tensor<T, 4>({rp.B, N, rp.Hk, rp.d}), Tensor<T, 4>({rp.B, N, rp.Hkv, rp.dv})};
+  const std::array<index_t, 4> ks = {rp.B, N, rp.Hk, rp.d}, vs = {rp.B, N, rp.Hkv, rp.dv};
+  UninitBuffer<T> kbuf(rp.B * N * rp.Hk * rp.d), vbuf(rp.B * N * rp.Hkv * rp.dv);
   for (int r = 0; r < W; ++r) {
     const T* blk = all.data() + r * be;
     for_each_block_run(rp, r, W, [&](index_t src, index_t dst, index_t len, bool key) {
-      std::copy(blk + src, blk + src + len, (key ? g.k.data() : g.v.data()) + dst);
+      std::copy(blk + src, blk + src + len, (key ? kbuf.data() : vbuf.data()) + dst);
     });
   }
-  return g;
+  const T* kp = kbuf.data();
+  const T* vp = vbuf.data();
+  return GatheredKV<T>{std::move(kbuf), std::move(vbuf),
+                       TensorView<const T, 4>(kp, ks, row_major_strides(ks)),
+                       TensorView<const T, 4>(vp, vs, row_major_strides(vs))};
 }
 
 /// The fused kernel's options for a run of queries against the whole
@@ -166,7 +202,7 @@ void gathered_forward(RingComm& rc, const RingProblem<T>& rp, const AttentionPro
       rp, rc, options, mod,
       [&](const ShardRun&, const PairWindow& w, const AttentionOptions& opt, const auto& pm) {
         const auto q = rows_of(p.q, w.q0, w.n);
-        const auto k = rows_of(g.k.view(), w.k0, w.m), v = rows_of(g.v.view(), w.k0, w.m);
+        const auto k = rows_of(g.k, w.k0, w.m), v = rows_of(g.v, w.k0, w.m);
         const auto out = rows_of(p.out, w.q0, w.n);
         const auto lse = lse_rows(p.lse, w.q0, w.n);
         const AttentionProblem<T> sub =
@@ -207,7 +243,7 @@ std::vector<double> gathered_backward(RingComm& rc, const RingProblem<T>& rp,
       [&](const ShardRun&, const PairWindow& w, const AttentionOptions& opt, const auto& pm) {
         Tensor<T, 4> dk_t({rp.B, w.m, rp.Hk, rp.d}), dv_t({rp.B, w.m, rp.Hkv, rp.dv});
         const auto q = rows_of(p.q, w.q0, w.n);
-        const auto k = rows_of(g.k.view(), w.k0, w.m), v = rows_of(g.v.view(), w.k0, w.m);
+        const auto k = rows_of(g.k, w.k0, w.m), v = rows_of(g.v, w.k0, w.m);
         const auto out = rows_of(p.out, w.q0, w.n), dout = rows_of(bp.dout, w.q0, w.n);
         const auto lse = rows_of(p.lse, w.q0, w.n);
         const auto dq = rows_of(bp.dq, w.q0, w.n);
@@ -235,7 +271,7 @@ std::vector<double> gathered_backward(RingComm& rc, const RingProblem<T>& rp,
   // Rank r's tokens of every rank's dk and dv (block layout), then their sum
   // in rank order: the rank's gradients.
   const index_t be = rp.block_elems();
-  Tensor<T, 1> send({be * W}), recv({be * W});
+  UninitBuffer<T> send(be * W), recv(be * W);  // written in full before read
   for (int r = 0; r < W; ++r) {
     T* blk = send.data() + r * be;
     for_each_block_run(rp, r, W, [&](index_t dst, index_t src, index_t len, bool key) {
