@@ -109,8 +109,16 @@ Tensor<typename L::value_type, 3> sharded_layer_forward(L& layer,
           const index_t r = cache.reserve(np);
           TensorView<S, 4> kd = cache.key_rows(r, np), vd = cache.value_rows(r, np);
           if constexpr (is_8bit_storage_v<S>) {
-            quantize_rows<C, S>(k.view(), kd, cache.key_scale_rows(r, np));
-            quantize_rows<C, S>(v.view(), vd, cache.value_scale_rows(r, np));
+            // quantize_rows refuses a non-finite key or value: the other
+            // ranks learn of it below instead of waiting in the attention
+            // call's collectives.
+            try {
+              quantize_rows<C, S>(k.view(), kd, cache.key_scale_rows(r, np));
+              quantize_rows<C, S>(v.view(), vd, cache.value_scale_rows(r, np));
+            } catch (const error& e) {
+              ok = false;
+              message = e.what();
+            }
           } else {
             const index_t kr = k.shape(2) * k.shape(3), vr = v.shape(2) * v.shape(3);
             for (index_t b = 0; b < B; ++b) {
@@ -119,6 +127,7 @@ Tensor<typename L::value_type, 3> sharded_layer_forward(L& layer,
             }
           }
         }
+        if constexpr (is_8bit_storage_v<S>) agree(rc, ok, message, {});
         const FullCache full(B, cache, np);
         mpi::DecodeStats* st = stats ? &stats->attention : nullptr;
         if constexpr (v1)

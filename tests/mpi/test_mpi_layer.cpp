@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,25 @@ void layer_errors() {
     threw = true;
   }
   check(threw, "a windowed layer is refused");
+  // A non-finite key for an int8 cache: the owner's quantize_rows refuses it
+  // and every rank throws (none waits in a collective), no cache changed.
+  auto q8 = layer.make_cache<std::int8_t>(1, 8);
+  Tensor<float, 3> xinf({1, 1, 32});
+  xinf.fill(0.5f);
+  xinf(0, 0, 3) = std::numeric_limits<float>::infinity();
+  threw = false;
+  try {
+    diffattn::mpi::forward<float, std::int8_t>(layer, xinf.view(), q8, MPI_COMM_WORLD);
+  } catch (const diffattn::error&) {
+    threw = true;
+  }
+  check(threw && q8.size() == 0, "a non-finite key for an int8 cache: throws everywhere");
+  x1.fill(0.25f);
+  const Tensor<float, 3> y = diffattn::mpi::forward<float, std::int8_t>(layer, x1.view(), q8,
+                                                                          MPI_COMM_WORLD);
+  long long held = q8.size(), sum = 0;
+  MPI_Allreduce(&held, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  check(sum == 1 && same_on_all_ranks(y), "the next step runs");
 }
 
 }  // namespace
