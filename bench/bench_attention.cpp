@@ -13,9 +13,10 @@
 // bfloat16 (V2's lambda_logit too): under AVX512-BF16 both products run on
 // bf16 dot products (detail/kernel/bf16_dot.hpp, detail/kernel/bf16_wv.hpp). Their rates
 // are compared with BM_Bf16Peak, the instruction's peak in the same run.
-// BM_Bf16_V1Backward and BM_Bf16_PlainBackward: the backward of the same
-// shapes with bfloat16 storage (lse float), beside BM_Fused_V1Backward and
-// BM_Fused_PlainBackward.
+// BM_Bf16_V1Backward, BM_Bf16_V2Backward and BM_Bf16_PlainBackward: the
+// backward of the same shapes with bfloat16 storage (lse float), beside
+// BM_Fused_V1Backward, BM_Fused_V2Backward and BM_Fused_PlainBackward. The
+// backward's GFLOPS count 2.5x the forward's useful work.
 //
 // Arguments: {N, threads}. B = 1, causal.
 #include <benchmark/benchmark.h>
@@ -181,27 +182,35 @@ void plain_backward(benchmark::State& state) {
       4.0 * static_cast<double>(2 * q.size() + 2 * k.size() + 2 * v.size() + 2 * out.size()));
 }
 
-/// The backward of v1_backward (Kind 0) and plain_backward (Kind 2) with q,
-/// k, v, out, dout and the gradients stored as S (lse float): the pair of
-/// BM_Fused_V1Backward and BM_Fused_PlainBackward.
+/// The backward of v1_backward (Kind 0), of V2 (Kind 1: the shapes of v2,
+/// lambda_logit stored as S) and of plain_backward (Kind 2) with q, k, v,
+/// out, dout and the gradients stored as S (lse float): with S = bfloat16 the
+/// pair of BM_Fused_V1Backward and BM_Fused_PlainBackward; with S = float,
+/// BM_Fused_V2Backward.
 template <class S, int Kind>
 void backward16(benchmark::State& state) {
   const index_t n = state.range(0), d = kHeadDim;
-  const index_t H = Kind == 0 ? 8 : 16, qh = 16, kh = 16, vw = Kind == 0 ? 2 * d : d;
-  const index_t vh = H, lh = Kind == 0 ? 2 * H : H;
+  const index_t H = Kind == 2 ? 16 : 8, qh = 16, kh = Kind == 1 ? 8 : 16;
+  const index_t vw = Kind == 0 ? 2 * d : d, vh = Kind == 1 ? 8 : H, lh = Kind == 2 ? H : 2 * H;
   const auto q = to<S>(random4({1, n, qh, d}, 1)), k = to<S>(random4({1, n, kh, d}, 2)),
              v = to<S>(random4({1, n, vh, vw}, 3)), dout = to<S>(random4({1, n, H, vw}, 4));
   Tensor<S, 4> out({1, n, H, vw}), dq(q.shape()), dk(k.shape()), dv(v.shape());
   Tensor<float, 3> lse({1, lh, n});
+  Tensor<S, 3> logit({1, n, Kind == 1 ? H : 0}), dlogit(logit.shape());
   const auto o = options(state, true);
   if constexpr (Kind == 0)
     diffattn::diff_attention_v1<S>(q, k, v, 0.8f, out, lse, o);
+  else if constexpr (Kind == 1)
+    diffattn::diff_attention_v2<S>(q, k, v, logit, out, lse, o);
   else
     diffattn::attention<S>(q, k, v, out, lse, o);
   float dlambda = 0;
   for (auto _ : state) {
     if constexpr (Kind == 0)
       diffattn::diff_attention_v1_backward<S>(q, k, v, 0.8f, out, lse, dout, dq, dk, dv, dlambda,
+                                              o);
+    else if constexpr (Kind == 1)
+      diffattn::diff_attention_v2_backward<S>(q, k, v, logit, out, lse, dout, dq, dk, dv, dlogit,
                                               o);
     else
       diffattn::attention_backward<S>(q, k, v, out, lse, dout, dq, dk, dv, o);
@@ -389,6 +398,8 @@ void BM_Bf16_V2(benchmark::State& s) { fused16<diffattn::bfloat16, 1>(s); }
 void BM_Bf16_Plain(benchmark::State& s) { fused16<diffattn::bfloat16, 2>(s); }
 void BM_Bf16_V1Backward(benchmark::State& s) { backward16<diffattn::bfloat16, 0>(s); }
 void BM_Bf16_PlainBackward(benchmark::State& s) { backward16<diffattn::bfloat16, 2>(s); }
+void BM_Fused_V2Backward(benchmark::State& s) { backward16<float, 1>(s); }
+void BM_Bf16_V2Backward(benchmark::State& s) { backward16<diffattn::bfloat16, 1>(s); }
 
 void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
   for (long threads : {1, 2})
@@ -413,6 +424,8 @@ BENCHMARK(BM_Fused_V1Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_V2Decode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_PlainDecode)->Apply([](auto* b) { sizes(b, {4096, 16384}); });
 BENCHMARK(BM_Fused_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Fused_V2Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
+BENCHMARK(BM_Bf16_V2Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Fused_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Bf16_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Bf16_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
