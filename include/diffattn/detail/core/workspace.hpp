@@ -12,19 +12,22 @@
 #include <new>
 
 #include "../../config.hpp"
+#include "memory.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// Grow-only, 64-byte aligned, uninitialised buffer.
+/// Grow-only, 64-byte aligned, uninitialised buffer; from 2 MiB on transparent
+/// huge pages (allocate_uninitialized).
 template <class T>
 class ScratchBuffer {
  public:
   T* get(index_t n) {
     if (n > capacity_) {
       data_.reset();
-      data_.reset(static_cast<T*>(
-          ::operator new(static_cast<std::size_t>(n) * sizeof(T), std::align_val_t(64))));
+      const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(T);
+      data_ = std::unique_ptr<T, Delete>(static_cast<T*>(allocate_uninitialized(bytes, 64)),
+                                         Delete{zeroed_alignment(bytes, 64)});
       capacity_ = n;
     }
     return data_.get();
@@ -37,7 +40,8 @@ class ScratchBuffer {
 
  private:
   struct Delete {
-    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t(64)); }
+    std::size_t align = 64;
+    void operator()(T* p) const noexcept { ::operator delete(p, std::align_val_t(align)); }
   };
   std::unique_ptr<T, Delete> data_;
   index_t capacity_ = 0;

@@ -40,7 +40,7 @@
 #include "../../options.hpp"
 #include "../../tensor.hpp"
 #include "../backward/attention_backward.hpp"
-#include "../core/memory.hpp"
+#include "../core/workspace.hpp"
 #include "../core/validate.hpp"
 #include "../kernel/attention_kernel.hpp"
 #include "mpi_comm.hpp"
@@ -48,31 +48,6 @@
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
-
-/// An owned, uninitialised buffer of n T (64-byte aligned; on huge pages
-/// from huge_page_bytes): scratch that is written in full before it is read.
-template <class T>
-class UninitBuffer {
- public:
-  explicit UninitBuffer(index_t n)
-      : bytes_(static_cast<std::size_t>(n > 0 ? n : 0) * sizeof(T)),
-        data_(bytes_ > 0 ? static_cast<T*>(allocate_uninitialized(bytes_, 64)) : nullptr) {}
-  ~UninitBuffer() {
-    if (data_) ::operator delete(data_, std::align_val_t(zeroed_alignment(bytes_, 64)));
-  }
-  UninitBuffer(UninitBuffer&& o) noexcept : bytes_(o.bytes_), data_(o.data_) {
-    o.bytes_ = 0;
-    o.data_ = nullptr;
-  }
-  UninitBuffer(const UninitBuffer&) = delete;
-  UninitBuffer& operator=(const UninitBuffer&) = delete;
-  UninitBuffer& operator=(UninitBuffer&&) = delete;
-  T* data() const noexcept { return data_; }
-
- private:
-  std::size_t bytes_;
-  T* data_;
-};
 
 /// The largest gathered K and V (bytes per rank) for which V1 and V2 gather
 /// instead of running the ring; the same on every rank (tests lower it to
@@ -101,7 +76,7 @@ TensorView<U, 3> token_rows(const TensorView<U, 3>& t, index_t r0, index_t len) 
 /// global token order: views of the buffers held.
 template <class T>
 struct GatheredKV {
-  UninitBuffer<T> kbuf, vbuf;
+  ScratchBuffer<T> kbuf, vbuf;
   TensorView<const T, 4> k, v;
 };
 
@@ -135,22 +110,24 @@ GatheredKV<T> gather_kv(const RingProblem<T>& rp, RingComm& rc) {
   const index_t be = rp.block_elems(), N = rp.n * W;
   // Uninitialised: every element is written before it is read (the ranks'
   // runs cover every token once), so no zero fill.
-  UninitBuffer<T> all(be * W);
+  ScratchBuffer<T> all;
+  T* const everyone = all.get(be * W);
   {
-    UninitBuffer<T> mine(be);
-    pack_block(rp, mine.data());
-    rc.allgather(mine.data(), all.data(), be);
+    ScratchBuffer<T> mine;
+    T* const block = mine.get(be);
+    pack_block(rp, block);
+    rc.allgather(block, everyone, be);
   }
   const std::array<index_t, 4> ks = {rp.B, N, rp.Hk, rp.d}, vs = {rp.B, N, rp.Hkv, rp.dv};
-  UninitBuffer<T> kbuf(rp.B * N * rp.Hk * rp.d), vbuf(rp.B * N * rp.Hkv * rp.dv);
+  ScratchBuffer<T> kbuf, vbuf;
+  T* const kp = kbuf.get(rp.B * N * rp.Hk * rp.d);
+  T* const vp = vbuf.get(rp.B * N * rp.Hkv * rp.dv);
   for (int r = 0; r < W; ++r) {
-    const T* blk = all.data() + r * be;
+    const T* blk = everyone + r * be;
     for_each_block_run(rp, r, W, [&](index_t src, index_t dst, index_t len, bool key) {
-      std::copy(blk + src, blk + src + len, (key ? kbuf.data() : vbuf.data()) + dst);
+      std::copy(blk + src, blk + src + len, (key ? kp : vp) + dst);
     });
   }
-  const T* kp = kbuf.data();
-  const T* vp = vbuf.data();
   return GatheredKV<T>{std::move(kbuf), std::move(vbuf),
                        TensorView<const T, 4>(kp, ks, row_major_strides(ks)),
                        TensorView<const T, 4>(vp, vs, row_major_strides(vs))};
@@ -271,19 +248,21 @@ std::vector<double> gathered_backward(RingComm& rc, const RingProblem<T>& rp,
   // Rank r's tokens of every rank's dk and dv (block layout), then their sum
   // in rank order: the rank's gradients.
   const index_t be = rp.block_elems();
-  UninitBuffer<T> send(be * W), recv(be * W);  // written in full before read
+  ScratchBuffer<T> send_buf, recv_buf;  // written in full before read
+  T* const send = send_buf.get(be * W);
+  T* const recv = recv_buf.get(be * W);
   for (int r = 0; r < W; ++r) {
-    T* blk = send.data() + r * be;
+    T* blk = send + r * be;
     for_each_block_run(rp, r, W, [&](index_t dst, index_t src, index_t len, bool key) {
       const T* from = (key ? dk_all.data() : dv_all.data()) + src;
       std::copy(from, from + len, blk + dst);
     });
   }
-  rc.alltoall(send.data(), recv.data(), be);
+  rc.alltoall(send, recv, be);
   Tensor<T, 1> grad({be});
-  std::copy(recv.data(), recv.data() + be, grad.data());
+  std::copy(recv, recv + be, grad.data());
   for (int r = 1; r < W; ++r) {
-    const T* in = recv.data() + r * be;
+    const T* in = recv + r * be;
     for (index_t e = 0; e < be; ++e) grad.data()[e] += in[e];
   }
   write_kv_grads(rp, grad, bp);
