@@ -20,11 +20,23 @@
 // bitwise round_S(g_f) of the float kernel on the widened inputs, and dlambda
 // bitwise the float kernel's. With bfloat16 under AVX512-BF16 the scores
 // S = Q K^T and dW = dO V^T run on bf16 dot products (bf16_dot.hpp): float sums
-// of the same exact products in another order, inside e_f; there only the
-// bound is checked.
+// of the same exact products in another order, inside e_f. So do dQ, dK and dV
+// (detail/backward/bf16_backward.hpp), with each element of dS_m and W rounded
+// once to bf16, which adds at most 2^-8 m to a gradient element, m the sum of
+// |dS| |k| (dq), |dS| |q| (dk, both times the scale) or |w| |do| (dv) over the
+// terms of its product (grad_magnitudes, in float64 from the widened inputs).
+// dS's rows sum to zero, so m can be far above the gradient itself, and the
+// bound is elementwise, as for the forward's rounded W (test_half.cpp):
+//   |g_S - y|_e <= u_S (|y_e| + delta_e) + delta_e,
+//   delta_e = e_f max |y| + 2^-8 (1 + 2^-6) m_e
+// (the 2^-6 covers the float dS's own error next to dS). dlambda and
+// dlambda_logit come from the float maps and dW, not rounded: the first bound.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -228,6 +240,116 @@ Problem<U> convert(const Problem<S>& p) {
   return u;
 }
 
+/// For each element of dq, dk and dv, the sum m of the magnitudes of the
+/// terms whose factor dS_m or W the bf16 gradient products round (see the
+/// top), in float64 from the widened inputs: the maps A_m from the scores as
+/// the kernels form them (scale, softcap, ALiBi bias, causal and window
+/// masks, the sink in the normaliser), dW = dO V^T, D_m = sum_j A_m dW,
+/// dS_1 = A_1 o (dW - D_1), dS_2 = -lambda_i A_2 o (dW - D_2) (each times the
+/// softcap's derivative 1 - tanh^2), W = A_1 - lambda_i A_2 (plain: A, dS).
+struct Magnitudes {
+  Tensor<double, 4> q, k, v;
+};
+
+Magnitudes grad_magnitudes(const Problem<double>& p) {
+  const Case& c = p.c;
+  const Shape& s = c.s;
+  const bool v1 = p.v1();
+  const int maps = c.kind == Kind::plain ? 1 : 2;
+  const index_t group = s.H / s.Hkv, dv = p.v.shape(3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+  const double inf = std::numeric_limits<double>::infinity();
+  const index_t wr = c.causal ? 0 : c.window_right;
+  Magnitudes g{Tensor<double, 4>(p.q.shape()), Tensor<double, 4>(p.k.shape()),
+               Tensor<double, 4>(p.v.shape())};
+  std::vector<double> dw(static_cast<std::size_t>(s.M)), w(dw.size());
+  std::vector<std::vector<double>> a(2, dw), deriv(2, dw);
+  for (index_t b = 0; b < s.B; ++b)
+    for (index_t oh = 0; oh < s.H; ++oh)
+      for (index_t i = 0; i < s.N; ++i) {
+        const index_t diag = i + s.M - s.N, hv = oh / group;
+        for (index_t j = 0; j < s.M; ++j) {
+          double x = 0;
+          for (index_t t = 0; t < dv; ++t) x += p.dout(b, i, oh, t) * p.v(b, j, hv, t);
+          dw[j] = x;
+        }
+        double lambda = 1;
+        if (c.kind == Kind::v1) lambda = p.lambda;
+        if (c.kind == Kind::v1_heads) lambda = p.lambda_heads(oh);
+        if (c.kind == Kind::v2) lambda = 1.0 / (1.0 + std::exp(-p.logit(b, i, oh)));
+        std::fill(w.begin(), w.end(), 0.0);
+        for (int m = 0; m < maps; ++m) {
+          const index_t qh = maps == 1 ? oh : 2 * oh + m, kh = v1 ? 2 * hv + m : hv;
+          double mx = c.sinks.empty() ? -inf : static_cast<double>(c.sinks[qh]);
+          for (index_t j = 0; j < s.M; ++j) {
+            const bool visible =
+                (c.window_left < 0 || j >= diag - c.window_left) && (wr < 0 || j <= diag + wr);
+            double x = 0;
+            for (index_t t = 0; t < s.d; ++t) x += p.q(b, i, qh, t) * p.k(b, j, kh, t);
+            x *= scale;
+            deriv[m][j] = 1;
+            if (c.softcap > 0) {
+              const double th = std::tanh(x / c.softcap);
+              x = c.softcap * th;
+              deriv[m][j] = 1 - th * th;
+            }
+            if (!c.slopes.empty()) x -= c.slopes[qh] * std::abs(static_cast<double>(diag - j));
+            a[m][j] = visible ? x : -inf;
+            mx = std::max(mx, a[m][j]);
+          }
+          double sum = c.sinks.empty() ? 0.0 : std::exp(c.sinks[qh] - mx);
+          for (index_t j = 0; j < s.M; ++j) sum += std::exp(a[m][j] - mx);  // exp(-inf) = 0
+          double dsum = 0;
+          for (index_t j = 0; j < s.M; ++j) {
+            a[m][j] = mx > -inf ? std::exp(a[m][j] - mx) / sum : 0.0;
+            dsum += a[m][j] * dw[j];
+          }
+          const double coef = m == 0 ? 1.0 : -lambda;
+          for (index_t j = 0; j < s.M; ++j) {
+            const double ds = std::abs(coef * a[m][j] * (dw[j] - dsum) * deriv[m][j]);
+            w[j] += coef * a[m][j];
+            for (index_t t = 0; t < s.d; ++t) {
+              g.q(b, i, qh, t) += scale * ds * std::abs(p.k(b, j, kh, t));
+              g.k(b, j, kh, t) += scale * ds * std::abs(p.q(b, i, qh, t));
+            }
+          }
+        }
+        for (index_t j = 0; j < s.M; ++j)
+          for (index_t t = 0; t < dv; ++t)
+            g.v(b, j, hv, t) += std::abs(w[j]) * std::abs(p.dout(b, i, oh, t));
+      }
+  return g;
+}
+
+/// Over the checks of the bf16 gradient products so far, for the report at
+/// the end of a run (DIFFATTN_TEST_REPORT): the largest |g - y| / bound and
+/// the largest max |g - y| / max |y|.
+double g_worst_ratio = 0, g_worst_rel = 0;
+
+/// The elementwise bound of the top for one gradient of the bf16 dot-product
+/// path: e_f the float error (relative to max |y|), m its magnitudes.
+template <class S>
+void check_elementwise(const char* what, const Tensor<S, 4>& g, const Tensor<double, 4>& y,
+                       const Tensor<double, 4>& m, double e_f) {
+  const double u = unit_roundoff<S>();
+  double ymax = 0, worst = 0, err = 0;
+  for (index_t e = 0; e < y.size(); ++e) ymax = std::max(ymax, std::abs(y.data()[e]));
+  index_t bad = 0;
+  for (index_t e = 0; e < y.size(); ++e) {
+    const double ye = y.data()[e], diff = std::abs(static_cast<double>(g.data()[e]) - ye);
+    const double delta = e_f * ymax + std::ldexp(1.0 + 1.0 / 64, -8) * m.data()[e];
+    const double bound = u * (std::abs(ye) + delta) + delta;
+    worst = std::max(worst, diff / bound);
+    err = std::max(err, diff);
+    if (diff > bound) ++bad;
+  }
+  const double rel = ymax > 0 ? err / ymax : err;
+  g_worst_ratio = std::max(g_worst_ratio, worst);
+  g_worst_rel = std::max(g_worst_rel, rel);
+  INFO(what << ": largest |g - y| / bound " << worst << ", max |g - y| / max |y| " << rel);
+  CHECK(bad == 0);
+}
+
 template <class A, class B, std::size_t R>
 bool bitwise_rounded(const Tensor<A, R>& a, const Tensor<B, R>& b) {
   // a == round_A(b), element by element (bit patterns).
@@ -271,12 +393,20 @@ void check_case(const Case& c, std::uint64_t seed) {
     CHECK(errf <= e_f);
     CHECK(err16 <= bound);
   };
-  check("dq", rel_error(g16.dq, ref.dq), rel_error(gf.dq, ref.dq), rel_error(naive.dq, ref.dq),
-        true);
-  check("dk", rel_error(g16.dk, ref.dk), rel_error(gf.dk, ref.dk), rel_error(naive.dk, ref.dk),
-        true);
-  check("dv", rel_error(g16.dv, ref.dv), rel_error(gf.dv, ref.dv), rel_error(naive.dv, ref.dv),
-        true);
+  if (bf16_dot<S>()) {  // dS and W rounded: the elementwise bound
+    const Magnitudes mag = grad_magnitudes(pd);
+    auto e_f = [](double naive_err) { return std::max(2 * naive_err, 5e-5); };
+    check_elementwise("dq", g16.dq, ref.dq, mag.q, e_f(rel_error(naive.dq, ref.dq)));
+    check_elementwise("dk", g16.dk, ref.dk, mag.k, e_f(rel_error(naive.dk, ref.dk)));
+    check_elementwise("dv", g16.dv, ref.dv, mag.v, e_f(rel_error(naive.dv, ref.dv)));
+  } else {
+    check("dq", rel_error(g16.dq, ref.dq), rel_error(gf.dq, ref.dq), rel_error(naive.dq, ref.dq),
+          true);
+    check("dk", rel_error(g16.dk, ref.dk), rel_error(gf.dk, ref.dk), rel_error(naive.dk, ref.dk),
+          true);
+    check("dv", rel_error(g16.dv, ref.dv), rel_error(gf.dv, ref.dv), rel_error(naive.dv, ref.dv),
+          true);
+  }
   if (c.kind == Kind::v2)
     check("dlambda_logit", rel_error(g16.dlogit, ref.dlogit), rel_error(gf.dlogit, ref.dlogit),
           rel_error(naive.dlogit, ref.dlogit), true);
@@ -324,9 +454,17 @@ void check_modified_case(const Case& c, std::uint64_t seed) {
     INFO(what << ": 16-bit " << err16 << ", float kernel " << errf << ", bound " << bound);
     CHECK(err16 <= bound);
   };
-  check("dq", rel_error(g16.dq, y.dq), rel_error(gf.dq, y.dq), true);
-  check("dk", rel_error(g16.dk, y.dk), rel_error(gf.dk, y.dk), true);
-  check("dv", rel_error(g16.dv, y.dv), rel_error(gf.dv, y.dv), true);
+  if (bf16_dot<S>()) {  // dS and W rounded: the elementwise bound
+    const Magnitudes mag = grad_magnitudes(pd);
+    auto e_f = [](double errf) { return std::max(2 * errf, 5e-5); };
+    check_elementwise("dq", g16.dq, y.dq, mag.q, e_f(rel_error(gf.dq, y.dq)));
+    check_elementwise("dk", g16.dk, y.dk, mag.k, e_f(rel_error(gf.dk, y.dk)));
+    check_elementwise("dv", g16.dv, y.dv, mag.v, e_f(rel_error(gf.dv, y.dv)));
+  } else {
+    check("dq", rel_error(g16.dq, y.dq), rel_error(gf.dq, y.dq), true);
+    check("dk", rel_error(g16.dk, y.dk), rel_error(gf.dk, y.dk), true);
+    check("dv", rel_error(g16.dv, y.dv), rel_error(gf.dv, y.dv), true);
+  }
   if (c.kind == Kind::v2)
     check("dlambda_logit", rel_error(g16.dlogit, y.dlogit), rel_error(gf.dlogit, y.dlogit), true);
   if (!c.sinks.empty())
@@ -373,6 +511,11 @@ void check_all_families() {
 TEST_CASE("bfloat16 backward: every shape family against the float64 reference",
           "[half][backward]") {
   check_all_families<bfloat16>();
+  if (bf16_dot<bfloat16>() && std::getenv("DIFFATTN_TEST_REPORT"))
+    std::printf(
+        "bf16 gradient products: largest |g - y| / bound %.3f, largest max |g - y| / "
+        "max |y| %.3g\n",
+        g_worst_ratio, g_worst_rel);
 }
 
 TEST_CASE("half backward: every shape family against the float64 reference", "[half][backward]") {

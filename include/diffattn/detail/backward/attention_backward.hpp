@@ -37,12 +37,14 @@
 #include "../core/workspace.hpp"
 #include "../kernel/attention_kernel.hpp"
 #include "../kernel/bf16_dot.hpp"
+#include "../kernel/bf16_wv.hpp"
 #include "../kernel/convert.hpp"
 #include "../kernel/dispatch.hpp"
 #include "../kernel/gemm.hpp"
 #include "../kernel/mask.hpp"
 #include "../kernel/score_mods.hpp"
 #include "../kernel/tile.hpp"
+#include "bf16_backward.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -81,14 +83,20 @@ struct BackwardWorkspace {
   ScratchBuffer<T> sin[2];            // functor: a row's scores before its score
   // bf16 dot products (bfloat16 storage, bf16_dot.hpp): pairs of bf16 per
   // word, in place of kt and vt (keys and values, score layout) and as the
-  // unscaled queries and dO of S = Q K^T and dW = dO V^T.
+  // unscaled queries and dO of S = Q K^T and dW = dO V^T; for the gradient
+  // products (bf16_backward.hpp) in place of kc (keys, dQ layout), qst and
+  // doutt (row pairs), with dS or W rounded row by row (sp) and into panels
+  // of row pairs (spt).
   ScratchBuffer<std::uint32_t> kp[2], vp, qp[2], dop;
+  ScratchBuffer<std::uint32_t> kcp[2], qtp[2], dotp, sp, spt;
 
   void trim() {
     ScratchBuffer<T>* all[] = {&kt[0], &kt[1], &kc[0],  &kc[1],  &vt,     &dkt[0], &dkt[1], &dvt,
                                &qs[0], &qs[1], &qst[0], &qst[1], &dout,   &doutt,  &s[0],   &s[1],
                                &s[2],  &dq,    &th[0],  &th[1],  &sin[0], &sin[1]};
-    ScratchBuffer<std::uint32_t>* words[] = {&kp[0], &kp[1], &vp, &qp[0], &qp[1], &dop};
+    ScratchBuffer<std::uint32_t>* words[] = {&kp[0], &kp[1],  &vp,     &qp[0],  &qp[1],
+                                             &dop,   &kcp[0], &kcp[1], &qtp[0], &qtp[1],
+                                             &dotp,  &sp,     &spt};
     std::size_t total = 0;
     for (auto* b : all) total += b->bytes();
     for (auto* b : words) total += b->bytes();
@@ -225,31 +233,37 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
   // dot products (bf16_dot.hpp), keys and values packed as pairs along the
   // depth, queries unscaled with the scale applied to each score (as the
   // forward computes them); every input is exact, so each product is a float
-  // sum of the same exact products in another order. The other products take
-  // float operands (dS, W) and stay on the float micro-kernel.
+  // sum of the same exact products in another order. dQ, dK and dV run on
+  // them too, with dS and W rounded to bf16 once per element
+  // (bf16_backward.hpp).
   constexpr bool dot = use_bf16_dot<T, T>;
-  const index_t dk = bf16_pairs(d), dvk = bf16_pairs(dv);
+  const index_t dk = bf16_pairs(d), dvk = bf16_pairs(dv), kpairs = bf16_pairs(kend_all);
 
   // Packed keys and values of the group; zeroed accumulators.
   C* kt[2] = {nullptr, nullptr};
   C* kc[2] = {nullptr, nullptr};
   C* dkt[2] = {nullptr, nullptr};
   std::uint32_t* kp[2] = {nullptr, nullptr};
+  std::uint32_t* kcp[2] = {nullptr, nullptr};
   for (int m = 0; m < kbufs; ++m) {
-    if constexpr (dot)
+    if constexpr (dot) {
       kp[m] = ws.kp[m].get(std::max<index_t>(mpad * dk, 1));
-    else
+      kcp[m] = ws.kcp[m].get(std::max<index_t>(kpairs * dpad_nr, 1));
+    } else {
       kt[m] = ws.kt[m].get(std::max<index_t>(mpad * d, 1));
-    kc[m] = ws.kc[m].get(std::max<index_t>(kend_all * dpad_nr, 1));
+      kc[m] = ws.kc[m].get(std::max<index_t>(kend_all * dpad_nr, 1));
+    }
     dkt[m] = ws.dkt[m].get(std::max<index_t>(dpad_mr * mpad, 1));
     std::fill(dkt[m], dkt[m] + dpad_mr * mpad, C(0));
     if (kend_all > 0) {
       const T* src = &p.k(sq.b, sq.k0, hg.k[m], 0);
-      if constexpr (dot)
+      if constexpr (dot) {
         pack_pairs_transposed_from(StridedRows<T>{src, p.k.stride(1)}, kend_all, d, kp[m]);
-      else
+        pack_value_pairs_from(StridedRows<T>{src, p.k.stride(1)}, kend_all, d, kcp[m]);
+      } else {
         pack_rows_transposed(src, p.k.stride(1), kend_all, d, kt[m]);
-      pack_cols(src, p.k.stride(1), kend_all, d, kc[m]);
+        pack_cols(src, p.k.stride(1), kend_all, d, kc[m]);
+      }
     }
   }
   C* vt = nullptr;
@@ -286,39 +300,53 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       const index_t kbase = br.begin(0) / NR * NR;
       const index_t lds = std::max<index_t>(round_up(kend_block - kbase, NR), NR);
 
-      // Scaled queries, their transpose; dO and its transpose.
+      // Scaled queries, their transpose; dO and its transpose. Under bf16 dot
+      // products: unscaled query and dO rows as pairs along the depth, and
+      // their transposes with pairs of rows (rpairs of them) along each
+      // feature.
+      const index_t rpairs = bf16_pairs(rows);
       C* qs[2] = {nullptr, nullptr};
       C* qst[2] = {nullptr, nullptr};
       std::uint32_t* qp[2] = {nullptr, nullptr};
+      std::uint32_t* qtp[2] = {nullptr, nullptr};
       for (int m = 0; m < maps; ++m) {
-        qs[m] = ws.qs[m].get(rows_pad * d);
-        for (index_t ii = 0; ii < rows; ++ii) {
-          C* dst = qs[m] + ii * d;
-          const C* row = row_as<C>(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, dst);
-          for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
-        }
-        std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
-        qst[m] = ws.qst[m].get(dpad_mr * rows_pad);
-        transpose_padded(qs[m], d, rows, d, rows_pad, dpad_mr, qst[m]);
         if constexpr (dot) {
+          const auto qrow = [&](index_t ii) { return &p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0); };
           qp[m] = ws.qp[m].get(rows_pad * dk);
-          for (index_t ii = 0; ii < rows; ++ii)
-            pack_query_pairs(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, qp[m] + ii * dk);
+          for (index_t ii = 0; ii < rows; ++ii) pack_query_pairs(qrow(ii), d, qp[m] + ii * dk);
           std::fill(qp[m] + rows * dk, qp[m] + rows_pad * dk, 0u);
+          qtp[m] = ws.qtp[m].get(dpad_mr * rpairs);
+          pack_row_pairs_transposed(qrow, rows, d, dpad_mr, rpairs, qtp[m]);
+        } else {
+          qs[m] = ws.qs[m].get(rows_pad * d);
+          for (index_t ii = 0; ii < rows; ++ii) {
+            C* dst = qs[m] + ii * d;
+            const C* row = row_as<C>(&p.q(sq.b, sq.q0 + i0 + ii, hm.q[m], 0), d, dst);
+            for (index_t t = 0; t < d; ++t) dst[t] = p.scale * row[t];
+          }
+          std::fill(qs[m] + rows * d, qs[m] + rows_pad * d, C(0));
+          qst[m] = ws.qst[m].get(dpad_mr * rows_pad);
+          transpose_padded(qs[m], d, rows, d, rows_pad, dpad_mr, qst[m]);
         }
       }
-      C* dob = ws.dout.get(rows_pad * dv);
-      for (index_t ii = 0; ii < rows; ++ii)
-        convert_row(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dob + ii * dv);
-      std::fill(dob + rows * dv, dob + rows_pad * dv, C(0));
-      C* dobt = ws.doutt.get(dvpad_mr * rows_pad);
-      transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
+      C* dob = nullptr;
+      C* dobt = nullptr;
       std::uint32_t* dop = nullptr;
+      std::uint32_t* dotp = nullptr;
       if constexpr (dot) {
+        const auto drow = [&](index_t ii) { return &bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0); };
         dop = ws.dop.get(rows_pad * dvk);
-        for (index_t ii = 0; ii < rows; ++ii)
-          pack_query_pairs(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dop + ii * dvk);
+        for (index_t ii = 0; ii < rows; ++ii) pack_query_pairs(drow(ii), dv, dop + ii * dvk);
         std::fill(dop + rows * dvk, dop + rows_pad * dvk, 0u);
+        dotp = ws.dotp.get(dvpad_mr * rpairs);
+        pack_row_pairs_transposed(drow, rows, dv, dvpad_mr, rpairs, dotp);
+      } else {
+        dob = ws.dout.get(rows_pad * dv);
+        for (index_t ii = 0; ii < rows; ++ii)
+          convert_row(&bp.dout(sq.b, sq.q0 + i0 + ii, oh, 0), dv, dob + ii * dv);
+        std::fill(dob + rows * dv, dob + rows_pad * dv, C(0));
+        dobt = ws.doutt.get(dvpad_mr * rows_pad);
+        transpose_padded(dob, dv, rows, dv, rows_pad, dvpad_mr, dobt);
       }
 
       // Scores of each map and dW = dO V^C, tile by tile inside the band.
@@ -422,18 +450,34 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       for (int m = 0; m < 3; ++m)
         if (s[m]) std::fill(s[m] + rows * lds, s[m] + rows_pad * lds, C(0));
 
-      // dQ_m = s dS_m K_m over each tile's keys.
+      // dQ_m = s dS_m K_m over each tile's keys (bf16: dS_m rounded row by
+      // row, from an even key; keys past a row's band are zero in dS).
       C* dqb = ws.dq.get(rows_pad * dpad_nr);
+      const index_t ldsp = lds / 2;  // words per row of dS rounded to bf16
+      std::uint32_t* sp = nullptr;
+      if constexpr (dot) sp = ws.sp.get(rows_pad * ldsp);
       for (int m = 0; m < maps; ++m) {
         std::fill(dqb, dqb + rows_pad * dpad_nr, C(0));
         const C* kcm = kc[shared_k ? 0 : m];
+        if constexpr (dot)
+          for (index_t ii = 0; ii < rows_pad; ++ii)
+            round_weight_pairs(s[m] + ii * lds, 0, ldsp, sp + ii * ldsp);
         for (index_t r = 0; r < tiles; ++r) {
           const index_t lo = std::max(tile_lo(r), kbase), hi = tile_hi(r);
           if (hi <= lo) continue;
-          for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
-            micro_kernel<C>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
-                            kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0, dpad_nr,
-                            false);
+          if constexpr (dot) {
+            const index_t lo2 = lo / 2;  // the pair of keys lo is in (kbase is even)
+            const index_t pairs = bf16_pairs(hi) - lo2;
+            for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
+              micro_kernel_bf16(pairs, sp + r * MR * ldsp + (lo2 - kbase / 2), ldsp,
+                                kcp[shared_k ? 0 : m] + c0 * kpairs + lo2 * NR,
+                                dqb + r * MR * dpad_nr + c0, dpad_nr, 1.0f);
+          } else {
+            for (index_t c0 = 0; c0 < dpad_nr; c0 += NR)
+              micro_kernel<C>(hi - lo, s[m] + r * MR * lds + (lo - kbase), lds,
+                              kcm + c0 * kend_all + lo * NR, NR, dqb + r * MR * dpad_nr + c0,
+                              dpad_nr, false);
+          }
         }
         for (index_t ii = 0; ii < rows; ++ii) {
           T* dst = &bp.dq(sq.b, sq.q0 + i0 + ii, hm.q[m], 0);
@@ -442,7 +486,23 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
       }
 
       // dK_m^C += (s Q_m)^C dS_m and dV^C += dO^C W, key panel by key panel.
-      for (index_t j0 = kbase; j0 < kend_block; j0 += NR) {
+      // bf16: dK_m^C += Q_m^C dS_m (the scale comes when dK is written), dS_m
+      // and W rounded into panels of row pairs, one at a time.
+      if constexpr (dot) {
+        const index_t cols = round_up(kend_block - kbase, NR);
+        std::uint32_t* spt = ws.spt.get(std::max<index_t>(cols * rpairs, 1));
+        for (int m = 0; m < maps + 1; ++m) {
+          const bool wv = m == maps;  // W for dV after the maps' dS for dK
+          round_row_pair_panels(s[wv ? 2 : m], lds, rpairs, cols, spt);
+          C* acc = wv ? dvt : dkt[shared_k ? 0 : m];
+          const std::uint32_t* at = wv ? dotp : qtp[m];
+          for (index_t j0 = kbase; j0 < kend_block; j0 += NR)
+            for (index_t t0 = 0; t0 < (wv ? dvpad_mr : dpad_mr); t0 += MR)
+              micro_kernel_bf16_add(rpairs, at + t0 * rpairs, rpairs, spt + (j0 - kbase) * rpairs,
+                                    acc + t0 * mpad + j0, mpad);
+        }
+      }
+      for (index_t j0 = kbase; j0 < kend_block && !dot; j0 += NR) {
         const index_t col = j0 - kbase;
         for (int m = 0; m < maps; ++m) {
           C* acc = dkt[shared_k ? 0 : m];
@@ -463,7 +523,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
     for (index_t j = 0; j < M; ++j) {
       T* dst = &bp.dk(sq.b, sq.k0 + j, hg.k[m], 0);
       for (index_t t = 0; t < d; ++t)
-        dst[t] = static_cast<T>(j < kend_all ? dkt[m][t * mpad + j] : C(0));
+        dst[t] =
+            static_cast<T>(j < kend_all ? (dot ? p.scale : C(1)) * dkt[m][t * mpad + j] : C(0));
     }
   }
   for (index_t j = 0; j < M; ++j) {
