@@ -144,3 +144,42 @@ def from_e4m3_bits(u):
     val = np.where(e == 0, mant / 8.0 * 2.0 ** -6, (1 + mant / 8.0) * 2.0 ** (e - 7))
     val = np.where((u & 0x7F) == 0x7F, np.nan, val)
     return sign * val
+
+
+def grad_magnitudes(kind, q, k, v, lam, dout, vis, scale=0.0, sinks=None):
+    """For the bf16 backward's gradient products (detail/backward/bf16_backward.hpp), which
+    round each element of dS_m and W to bfloat16: per element of dq, dk and dv the sum m of
+    the magnitudes of its product's terms, s sum_j |dS_ij| |k_jc| (dq), s sum_i |dS_ij| |q_ic|
+    (dk, over the maps and query heads a key head serves) and sum_i |w_ij| |do_ic| (dv), so
+    that the rounding adds at most 2^-8 m. kind "v1", "v2" or "plain"; lam: V1's lambda
+    (a scalar or one per head), V2's logits (B, N, H); sinks: one per query head or None
+    (the sink joins each map's denominator, as in softmax_map)."""
+    q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    b_, n, hq, d = q.shape
+    h = dout.shape[2]
+    hkv = v.shape[2]
+    group = h // hkv
+    s = _scale(scale, d)
+    maps = 1 if kind == "plain" else 2
+    mq, mk, mv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b in range(b_):
+        for oh in range(h):
+            hv = oh // group
+            dw = dout[b, :, oh] @ v[b, :, hv].T  # (N, M)
+            if kind == "v2":
+                lam_i = sigmoid(np.asarray(lam, np.float64)[b, :, oh])
+            elif kind == "v1":
+                lam_i = np.full(n, float(np.asarray(lam).reshape(-1)[oh if np.ndim(lam) else 0]))
+            w = np.zeros_like(dw)
+            for m in range(maps):
+                qh = oh if maps == 1 else 2 * oh + m
+                kh = 2 * hv + m if kind == "v1" else hv
+                sink = None if sinks is None else float(sinks[qh])
+                a, _ = softmax_map(q[b, :, qh], k[b, :, kh], s, vis, sink=sink)
+                coef = np.ones(n) if m == 0 else -lam_i
+                ds = np.abs(coef[:, None] * a * (dw - (a * dw).sum(axis=1, keepdims=True)))
+                w += coef[:, None] * a
+                mq[b, :, qh] += s * ds @ np.abs(k[b, :, kh])
+                mk[b, :, kh] += s * ds.T @ np.abs(q[b, :, qh])
+            mv[b, :, hv] += np.abs(w).T @ np.abs(dout[b, :, oh])
+    return mq, mk, mv

@@ -158,6 +158,32 @@ def check16(g16, g32, g64, u, rounded=True):
     assert err <= u * (1 + e_f) + e_f, (err, u, e_f)
 
 
+def bf16_products():
+    """The variant that runs has the bf16 backward's gradient products (dS and W rounded)."""
+    return "bf16" in diffattn.isa()
+
+
+def check16_elementwise(g16, g32, g64, mag):
+    """tests/test_half_backward.cpp's bound for the bf16 gradient products: dS and W rounded
+    to bfloat16 add at most 2^-8 mag to each element (reference.grad_magnitudes), so
+    |g - y| <= u (|y| + delta) + delta, delta = e_f max |y| + 2^-8 (1 + 2^-6) mag."""
+    u = 2.0 ** -8
+    y = np.asarray(g64, np.float64)
+    e_f = max(2 * rel_err(g32, g64), 5e-5)
+    delta = e_f * np.max(np.abs(y)) + 2.0 ** -8 * (1 + 2.0 ** -6) * mag
+    err = np.abs(np.asarray(g16, np.float64) - y)
+    assert np.all(err <= u * (np.abs(y) + delta) + delta), np.max(err / (u * (np.abs(y) + delta) + delta))
+
+
+def check_grads16(kind, g16, g32, g64, u, wide, mags):
+    """dq, dk, dv: check16, or the elementwise bound where bfloat16 takes the bf16 products."""
+    for i in range(3):
+        if kind == "bfloat16" and bf16_products():
+            check16_elementwise(wide(g16[i]), g32[i], g64[i], mags[i])
+        else:
+            check16(wide(g16[i]), g32[i], g64[i], u)
+
+
 @pytest.mark.parametrize("kind", ["bfloat16", "float16"])
 @pytest.mark.parametrize("n,m,causal,wl", CASES)
 def test_backward_16bit_storage(kind, n, m, causal, wl):
@@ -169,6 +195,7 @@ def test_backward_16bit_storage(kind, n, m, causal, wl):
         return to16(rng.standard_normal(shape).astype(np.float32))
 
     kw = dict(causal=causal, window_left=wl)
+    vis = ref.visible(n, m, causal, wl)
     q = r16(2, n, 2 * h, d)
     k1, v1 = r16(2, m, 2 * hkv, d), r16(2, m, hkv, 2 * d)
     k2, v2, logit = r16(2, m, hkv, d), r16(2, m, hkv, d), r16(2, n, h)
@@ -196,7 +223,8 @@ def test_backward_16bit_storage(kind, n, m, causal, wl):
             (True, True, True, False))
         for i, like in enumerate((q, k1, v1)):
             assert g16[i].dtype == like.dtype and g16[i].shape == like.shape
-            check16(wide(g16[i]), g32[i], g64[i], u)
+        check_grads16(kind, g16, g32, g64, u, wide, ref.grad_magnitudes(
+            "v1", wide(q), wide(k1), wide(v1), lam, wide(dout), vis) if kind == "bfloat16" else None)
         assert np.shape(g16[3]) == np.shape(lam)
         if np.ndim(lam):
             assert g16[3].dtype == np.float32
@@ -210,7 +238,10 @@ def test_backward_16bit_storage(kind, n, m, causal, wl):
         (True, True, True, True))
     for i, like in enumerate((q, k2, v2, logit)):
         assert g16[i].dtype == like.dtype and g16[i].shape == like.shape
-        check16(wide(g16[i]), g32[i], g64[i], u)
+    check_grads16(kind, g16, g32, g64, u, wide, ref.grad_magnitudes(
+        "v2", wide(q), wide(k2), wide(v2), wide(logit), wide(dout), vis)
+        if kind == "bfloat16" else None)
+    check16(wide(g16[3]), g32[3], g64[3], u)
     out, lse = diffattn.attention(q, k2, v2, scale=0.3, **kw)
     dout = r16(*out.shape)
     g16, g32, g64 = three(
@@ -219,7 +250,9 @@ def test_backward_16bit_storage(kind, n, m, causal, wl):
         (True, True, True))
     for i, like in enumerate((q, k2, v2)):
         assert g16[i].dtype == like.dtype
-        check16(wide(g16[i]), g32[i], g64[i], u)
+    check_grads16(kind, g16, g32, g64, u, wide, ref.grad_magnitudes(
+        "plain", wide(q), wide(k2), wide(v2), None, wide(dout), vis, scale=0.3)
+        if kind == "bfloat16" else None)
 
 
 @pytest.mark.parametrize("kind", ["bfloat16", "float16"])
@@ -247,12 +280,25 @@ def test_varlen_backward_16bit_storage(kind):
             conv = [a if i == lam_index else wide(a).astype(tp) for i, a in enumerate(args)]
             res.append(bwd(*conv, wide(out).astype(tp), lse.astype(tp), wide(dout).astype(tp),
                            seqs, causal=True))
+        mags = None
+        if kind == "bfloat16" and bf16_products():  # per sequence, rows of the packed arrays
+            mags = [np.zeros(a.shape) for a in g16[:3]]
+            cu = seqs.cu_seqlens_q
+            for a, e in zip(cu[:-1], cu[1:]):
+                lam = args[3] if name == "v1" else (wide(args[3])[None, a:e] if name == "v2" else None)
+                sub = ref.grad_magnitudes(name, *(wide(x)[None, a:e] for x in args[:3]), lam,
+                                          wide(dout)[None, a:e], ref.visible(e - a, e - a, True))
+                for mg, sm in zip(mags, sub):
+                    mg[a:e] = sm[0]
         for i in range(len(g16)):
             if i == lam_index:
                 check16(g16[i], res[0][i], res[1][i], u, rounded=False)
             else:
                 assert g16[i].dtype == args[i].dtype, name
-                check16(wide(g16[i]), res[0][i], res[1][i], u)
+                if mags is not None and i < 3:
+                    check16_elementwise(wide(g16[i]), res[0][i], res[1][i], mags[i])
+                else:
+                    check16(wide(g16[i]), res[0][i], res[1][i], u)
 
 
 def test_backward_16bit_refuses_mixed_storage():

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import diffattn  # noqa: E402
 import diffattn.torch as dt  # noqa: E402
 import eager_modules as eager  # noqa: E402
+import reference as ref  # noqa: E402
 
 torch.manual_seed(0)
 
@@ -79,7 +80,9 @@ def test_16bit_backward_runs_the_16bit_kernels(monkeypatch, dtype, u, kind):
     max |reference|), as tests/test_half_backward.cpp:
         max |g - reference| / max |reference| <= u (1 + e_f) + e_f   (16-bit gradients)
         max |g - reference| / max(1, max |reference|) <= e_f           (float32 gradients)
-    (the backward recomputes the maps; it does not read the forward's rounded out)."""
+    (the backward recomputes the maps; it does not read the forward's rounded out). Where
+    bfloat16 runs the bf16 gradient products (dS and W rounded), q, k and v's gradients are
+    held to that file's elementwise bound instead."""
     gen = torch.Generator().manual_seed(11)
     n, m, h, hkv, d = 7, 12, 2, 1, 8  # causal with an offset, GQA
 
@@ -134,13 +137,28 @@ def test_16bit_backward_runs_the_16bit_kernels(monkeypatch, dtype, u, kind):
     out64.backward(dout.to(torch.float64))
     out32, leaves32 = run(torch.float32, False)
     out32.backward(dout.to(torch.float32))
-    for t16, t32, t64 in zip(leaves16, leaves32, leaves64):
+    mags = [None] * 4
+    if dtype == torch.bfloat16 and "bf16" in diffattn.isa():
+        # dS and W rounded to bfloat16 for the gradient products: the elementwise bound of
+        # tests/test_half_backward.cpp, with the magnitudes of reference.grad_magnitudes
+        np64 = [t.detach().double().numpy() for t in (q, k, v, extra, dout)]
+        mags[:3] = ref.grad_magnitudes(
+            kind[:2] if kind != "plain_sinks" else "plain", *np64[:3],
+            np64[3] if kind != "plain_sinks" else None, np64[4], ref.visible(n, m, True),
+            sinks=np64[3] if kind == "plain_sinks" else None)
+    for t16, t32, t64, mag in zip(leaves16, leaves32, leaves64, mags):
         ref_g = t64.grad
         if t16.dtype == dtype:
             scale = ref_g.abs().max().item()
         else:
             scale = max(1.0, ref_g.abs().max().item())
         e_f = max(2 * (t32.grad.double() - ref_g).abs().max().item() / scale, 5e-5)
+        if mag is not None:
+            y = ref_g.numpy()
+            delta = e_f * scale + 2.0 ** -8 * (1 + 2.0 ** -6) * mag
+            err = np.abs(t16.grad.double().numpy() - y)
+            assert np.all(err <= u * (np.abs(y) + delta) + delta), (kind, tuple(t16.shape))
+            continue
         err = (t16.grad.double() - ref_g).abs().max().item() / scale
         bound = u * (1 + e_f) + e_f if t16.dtype == dtype else e_f
         assert err <= bound, (kind, tuple(t16.shape), err, bound)
