@@ -55,10 +55,16 @@ def main(path):
 
 
 def bf16_table(runs, ms):
-    """bfloat16 storage against float, and against the bf16 peak probe."""
+    """bfloat16 storage against float, and against the bf16 peak probe: the forward, then the
+    backward."""
+    for suffix in ("", "Backward"):
+        bf16_rows(runs, ms, suffix)
+
+
+def bf16_rows(runs, ms, suffix):
     probe = {t: runs.get(f"BM_Bf16Peak/{t}") for t in (1, 2)}
     bf16_peak = {t: b["GFLOPS"] / 1e9 for t, b in probe.items() if b and "GFLOPS" in b}
-    kinds = ("V1", "V2", "Plain")
+    kinds = tuple(k + suffix for k in ("V1", "V2", "Plain"))
     rows = []
     for threads in (1, 2):
         for n in (256, 1024, 2048, 4096, 16384):
@@ -74,7 +80,9 @@ def bf16_table(runs, ms):
             rows.append(f"| {n} | {threads} | " + " | ".join(cells) + " |")
     if not rows:
         return
-    if bf16_peak:
+    if suffix:
+        print("\nbackward:")
+    elif bf16_peak:
         print("\nbf16 peak (vdpbf16ps): " +
               ", ".join(f"{t} thread{'s' if t > 1 else ''} {p:.0f} GFLOP/s" for t, p in bf16_peak.items()))
     else:
