@@ -51,6 +51,7 @@
 #include <diffattn/attention.hpp>
 #include <diffattn/detail/kernel/bf16_dot.hpp>
 #include <diffattn/detail/kernel/bf16_wv.hpp>
+#include <diffattn/detail/kernel/softmax.hpp>
 #include <diffattn/detail/core/random.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
@@ -620,6 +621,64 @@ TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-ker
         REQUIRE(std::abs(c[at] - exact) <= g * abs_sum);
       }
   }
+#endif
+}
+
+TEST_CASE("exp_scalef: the bf16 kernels' exp against std::exp", "[half][bf16wv]") {
+#if defined(__AVX512F__)
+  namespace dt = diffattn::detail;
+  // Eigen's pexp reduction and polynomial with vscalefps for 2^m (softmax.hpp):
+  // within 2 ulp of exp (relative 2^-22) where exp(x) is a normal float, within
+  // 2^-149 (the smallest denormal) below, 0 under -104 and for -inf, NaN for NaN.
+  std::vector<float> x;
+  for (int i = 0; i <= 22000; ++i) x.push_back(-110.0f + 0.005f * static_cast<float>(i));
+  diffattn::detail::Rng rng(73600);
+  for (int i = 0; i < 4000; ++i) x.push_back(static_cast<float>(-20 * rng.uniform()));
+  x.push_back(-std::numeric_limits<float>::infinity());
+  x.push_back(-0.0f);
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  while (x.size() % 16) x.push_back(0.0f);
+  std::vector<float> e(x.size());
+  for (std::size_t i = 0; i < x.size(); i += 16)
+    _mm512_storeu_ps(e.data() + i, dt::exp_scalef(_mm512_loadu_ps(x.data() + i)));
+  double worst = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    INFO("x = " << x[i] << " exp_scalef " << e[i]);
+    if (std::isnan(x[i])) {
+      REQUIRE(std::isnan(e[i]));
+      continue;
+    }
+    const double want = std::exp(static_cast<double>(x[i]));
+    if (want >= std::numeric_limits<float>::min()) {
+      worst = std::max(worst, std::abs(e[i] - want) / want);
+      REQUIRE(std::abs(e[i] - want) <= std::ldexp(want, -22));
+    } else {
+      REQUIRE(e[i] >= 0.0f);
+      REQUIRE(std::abs(e[i] - want) <= std::ldexp(1.0, -149));
+    }
+  }
+  if (std::getenv("DIFFATTN_TEST_REPORT"))
+    std::printf("exp_scalef: largest relative error %.3g (2^-22 = %.3g)\n", worst,
+                std::ldexp(1.0, -22));
+  // exp_shift_sum<float, true>: every length's tail under a mask, the sum of
+  // the row's exponentials (positive terms: within n 2^-24 of the exact sum).
+  for (index_t n = 0; n <= 70; ++n) {
+    std::vector<float> row(static_cast<std::size_t>(n) + 1, 123.0f), ref(row.size());
+    for (index_t j = 0; j < n; ++j)
+      row[static_cast<std::size_t>(j)] = x[static_cast<std::size_t>(j * 7 % 4000) + 22001];
+    ref = row;
+    const float sum = dt::exp_shift_sum<float, true>(row.data(), n, -1.5f);
+    double exact = 0;
+    for (index_t j = 0; j < n; ++j) {
+      const double want = std::exp(static_cast<double>(ref[static_cast<std::size_t>(j)]) + 1.5);
+      REQUIRE(std::abs(row[static_cast<std::size_t>(j)] - want) <= std::ldexp(want, -22));
+      exact += static_cast<double>(row[static_cast<std::size_t>(j)]);
+    }
+    REQUIRE(row[static_cast<std::size_t>(n)] == 123.0f);  // past the row: untouched
+    REQUIRE(std::abs(sum - exact) <= (n + 1) * std::ldexp(exact, -24));
+  }
+#else
+  WARN("exp_scalef is defined for AVX-512 builds only (this build targets none): skipped");
 #endif
 }
 

@@ -401,9 +401,11 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
         // and A = 0.
         const auto probabilities = [&](ArrayMap& a, int m) {
           const C lse = p.lse(sq.b, hm.q[m], i);
-          if (lse == -std::numeric_limits<C>::infinity())
+          if (lse == -std::numeric_limits<C>::infinity()) {
             a.setZero();
-          else {
+          } else if constexpr (dot) {  // the forward's exp (softmax.hpp, exp_scalef)
+            exp_shift_sum<C, true>(a.data(), a.size(), lse);
+          } else {
             a -= lse;
             a = a.exp();
           }

@@ -76,11 +76,13 @@ struct FusedRows {
       modified_weights(p, sq, oh, hm, i, kb, n, w, w2);
       return;
     }
-    const RowStats<C> st1 = exp_row(w, n, false);
+    // bf16 dot products: exp by vscalefps (softmax.hpp), the float path's pexp elsewhere.
+    constexpr bool scalef = use_bf16_wv<T, KV>;
+    const RowStats<C> st1 = exp_row<C, scalef>(w, n, false);
     const C c1 = st1.sum > C(0) ? C(1) / st1.sum : C(0);
     if (p.has_lse()) p.lse(sq.b, hm.q[0], i) = row_lse(st1);
     if (w2) {
-      const RowStats<C> st2 = exp_row(w2, n, false);
+      const RowStats<C> st2 = exp_row<C, scalef>(w2, n, false);
       const C c2 = st2.sum > C(0) ? row_lambda(p, sq.b, i, oh) / st2.sum : C(0);
       if (p.has_lse()) p.lse(sq.b, hm.q[1], i) = row_lse(st2);
       ArrayMap wa(w, n);
@@ -257,8 +259,7 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     // keys per word for bf16 dot products).
     auto value = [&](index_t r) { return p.packed_value_row(sq, pbegin + r, hm.v); };
     if constexpr (wv16)
-      pack_value_pairs_from(value, prows, dv,
-                            ws.v_pairs.get(bf16_pairs(prows) * round_up(dv, NR)));
+      pack_value_pairs_from(value, prows, dv, ws.v_pairs.get(bf16_pairs(prows) * round_up(dv, NR)));
     else
       pack_cols_from(value, prows, dv, ws.v.get(prows * round_up(dv, NR)));
     ws.packed_call = call_id;
@@ -325,7 +326,8 @@ void process_block(const AttentionProblem<T, KV>& p, index_t seq, index_t oh, in
     // kBlockN keys keep what the tiles share in L2.
     const index_t prows = ws.packed_end - ws.packed_begin, pb = ws.packed_begin;
     const index_t ppairs = bf16_pairs(prows);
-    const C* vp = wv16 ? nullptr : ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
+    const C* vp =
+        wv16 ? nullptr : ws.v.get(0);  // key j of panel c0 at vp + c0 * prows + (j - pb) NR
     const std::uint32_t* vpp = wv16 ? ws.v_pairs.get(0) : nullptr;
     for (index_t j0 = kbase; j0 < kend_block; j0 += BN) {
       const index_t j1 = std::min(j0 + BN, kend_block);
