@@ -24,6 +24,7 @@
 #include "../../tensor.hpp"
 #include "../../types.hpp"
 #include "../core/format.hpp"
+#include "../core/parallel.hpp"
 #include "../core/random.hpp"
 #include "../core/validate.hpp"
 #include "../kernel/convert.hpp"
@@ -39,6 +40,23 @@ template <class SX, class SW, class SY>
 void module_linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
                    int threads) {
   linear(x, rows, in, w, out, y, threads);
+}
+
+/// What a layer of storage T keeps its activations in between stages (q, k,
+/// v after rotary, V2's lambda logits, the attention output, V1's normed
+/// output): bfloat16 for a bfloat16 layer, as a PyTorch bf16 module does, so
+/// that the attention kernel and the output projection run on bf16 data
+/// (bf16 dot products where the build targets AVX512-BF16); compute_t<T>
+/// otherwise (float, double, and half, whose products widen to float anyway).
+template <class T>
+using module_act_t = std::conditional_t<std::is_same<T, bfloat16>::value, bfloat16, compute_t<T>>;
+
+/// A contiguous copy of t in D (each element converted once).
+template <class D, class S, std::size_t R>
+Tensor<D, R> module_converted(const Tensor<S, R>& t) {
+  Tensor<D, R> out(t.shape());
+  convert_row(t.data(), t.size(), out.data());
+  return out;
 }
 
 /// Backward of module_linear: dw (out, in) += dy^T x, and dx (rows, in) = dy w
@@ -90,6 +108,118 @@ void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<
     if (n > 0)
       apply(TensorView<T, 4>(&t(0, r0, 0, 0), {1, n, t.shape(2), t.shape(3)}, t.strides()), 0);
   }
+}
+
+/// dst = rope(src) for src (B, N, H, D) in the compute type C, contiguous,
+/// dst (same shape) in A: each rotated pair computed in C exactly as
+/// module_rope computes it in place, then rounded once to A. Positions as
+/// module_rope's (cu: a packed batch). Threads over token rows.
+template <class C, class A>
+void module_rope_round(const Tensor<C, 4>& src, Tensor<A, 4>& dst, index_t position_offset,
+                       const std::vector<index_t>* cu, double base, int threads) {
+  const index_t b = src.shape(0), n = src.shape(1), heads = src.shape(2), dim = src.shape(3);
+  const index_t half = dim / 2, width = heads * dim;
+  if (src.size() == 0) return;
+  // Each row's position; the table covers positions [0, max_pos].
+  std::vector<index_t> pos(static_cast<std::size_t>(n));
+  for (index_t i = 0; i < n; ++i) pos[i] = position_offset + i;
+  if (cu)
+    for (std::size_t s = 0; s + 1 < cu->size(); ++s)
+      for (index_t i = (*cu)[s]; i < (*cu)[s + 1]; ++i) pos[i] = i - (*cu)[s];
+  const index_t max_pos = *std::max_element(pos.begin(), pos.end());
+  std::vector<C> cos_t(static_cast<std::size_t>((max_pos + 1) * half));
+  std::vector<C> sin_t(cos_t.size());
+  std::vector<double> inv_freq(static_cast<std::size_t>(half));
+  for (index_t i = 0; i < half; ++i) inv_freq[i] = rope_inv_freq(i, dim, base);
+  auto table = [&](index_t p) {
+    for (index_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(p) * inv_freq[i];
+      cos_t[p * half + i] = static_cast<C>(std::cos(angle));
+      sin_t[p * half + i] = static_cast<C>(std::sin(angle));
+    }
+  };
+  constexpr index_t kRows = 64;  // token rows per task
+  const index_t table_tasks = (max_pos + kRows) / kRows;
+  const double work = static_cast<double>(b * n) * static_cast<double>(width);
+  parallel_tasks(
+      table_tasks, resolve_threads(threads, table_tasks, work),
+      [&](index_t t) {
+        for (index_t p = t * kRows; p < std::min(max_pos + 1, (t + 1) * kRows); ++p) table(p);
+      },
+      [] {});
+  const index_t tasks = (b * n + kRows - 1) / kRows;
+  parallel_tasks(
+      tasks, resolve_threads(threads, tasks, work),
+      [&](index_t t) {
+        std::vector<C> row(static_cast<std::size_t>(width));
+        for (index_t r = t * kRows; r < std::min(b * n, (t + 1) * kRows); ++r) {
+          const C* x = src.data() + r * width;
+          const C* c = cos_t.data() + pos[r % n] * half;
+          const C* s = sin_t.data() + pos[r % n] * half;
+          for (index_t h = 0; h < heads; ++h)
+            for (index_t i = 0; i < half; ++i) {
+              const C a = x[h * dim + 2 * i], bb = x[h * dim + 2 * i + 1];
+              row[h * dim + 2 * i] = a * c[i] - bb * s[i];
+              row[h * dim + 2 * i + 1] = a * s[i] + bb * c[i];
+            }
+          convert_row(row.data(), width, dst.data() + r * width);
+        }
+      },
+      [] {});
+}
+
+/// out (rows, heads, width) = x (rows, in) w^T, then rotary (when `rope`) at
+/// the positions module_rope gives: in the layer's activation type A. When A
+/// is the compute type C the product is written to out and rotated in place;
+/// otherwise (a bfloat16 layer) the product is written in C and rotated,
+/// then rounded once to A (module_rope_round), or, without rotary, rounded
+/// once as it is written.
+template <class C, class A, class SX, class SW>
+void module_project(const SX* x, index_t rows, index_t in, const SW* w, Tensor<A, 4>& out,
+                    bool rope, index_t position_offset, const std::vector<index_t>* cu, double base,
+                    int threads) {
+  const index_t width = out.shape(2) * out.shape(3);
+  if constexpr (std::is_same<A, C>::value) {
+    module_linear(x, rows, in, w, width, out.data(), threads);
+    if (rope) module_rope<C>(out.view(), position_offset, cu, base, false);
+  } else {
+    if (!rope) return module_linear(x, rows, in, w, width, out.data(), threads);
+    Tensor<C, 4> wide(out.shape());
+    module_linear(x, rows, in, w, width, wide.data(), threads);
+    module_rope_round(wide, out, position_offset, cu, base, threads);
+  }
+}
+
+/// V1's per-head RMSNorm (rms_norm's arithmetic) on x (B, N, H, D) stored
+/// as A (a bfloat16 layer's attention output): each row widened to C, its
+/// sum of squares in double, x * f * weight(j) in C with f = C(scale / rms),
+/// rounded once to A into out (same shape). weight (D) or empty. Threads over
+/// rows.
+template <class C, class A>
+void module_rms_norm_round(const Tensor<A, 4>& x, TensorView<const C, 1> weight, Tensor<A, 4>& out,
+                           double eps, double scale, int threads) {
+  const index_t dim = x.shape(3), rows = x.size() / std::max<index_t>(dim, 1);
+  if (x.size() == 0) return;
+  constexpr index_t kRows = 256;  // norm rows per task
+  const index_t tasks = (rows + kRows - 1) / kRows;
+  parallel_tasks(
+      tasks, resolve_threads(threads, tasks, static_cast<double>(x.size())),
+      [&](index_t t) {
+        std::vector<C> row(static_cast<std::size_t>(dim));
+        for (index_t r = t * kRows; r < std::min(rows, (t + 1) * kRows); ++r) {
+          convert_row(x.data() + r * dim, dim, row.data());
+          double ss = 0;
+          for (index_t j = 0; j < dim; ++j) ss += static_cast<double>(row[j]) * row[j];
+          const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + eps);
+          const C f = static_cast<C>(inv * scale);
+          if (weight.empty())
+            for (index_t j = 0; j < dim; ++j) row[j] = row[j] * f;
+          else
+            for (index_t j = 0; j < dim; ++j) row[j] = row[j] * f * weight(j);
+          convert_row(row.data(), dim, out.data() + r * dim);
+        }
+      },
+      [] {});
 }
 
 /// Checks the packed-batch arguments of a layer's forward: x (1, T, E) and
@@ -291,15 +421,17 @@ class ModuleGrads {
 
 /// softmax(s q_qh k_kh^T + mask) of batch entry b, materialised (N x M), from
 /// q (B, N, Hq, d) and k (B, M, Hk, d), s = 1/sqrt(d); for analysis.
-template <class T>
-Matrix<T> module_softmax_map(const Tensor<T, 4>& q, const Tensor<T, 4>& k, index_t b, index_t qh,
+/// q and k may be stored narrower than T (a bfloat16 layer's activations):
+/// widened exactly.
+template <class T, class A>
+Matrix<T> module_softmax_map(const Tensor<A, 4>& q, const Tensor<A, 4>& k, index_t b, index_t qh,
                              index_t kh, const KeyBand& band) {
   const index_t n = q.shape(1), m = k.shape(1), d = q.shape(3);
   Matrix<T> qm(n, d), km(m, d);
   for (index_t i = 0; i < n; ++i)
-    for (index_t t = 0; t < d; ++t) qm(i, t) = q(b, i, qh, t);
+    for (index_t t = 0; t < d; ++t) qm(i, t) = static_cast<T>(q(b, i, qh, t));
   for (index_t j = 0; j < m; ++j)
-    for (index_t t = 0; t < d; ++t) km(j, t) = k(b, j, kh, t);
+    for (index_t t = 0; t < d; ++t) km(j, t) = static_cast<T>(k(b, j, kh, t));
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   return softmax(masked_scores<T>(qm, km, scale, band));
 }
