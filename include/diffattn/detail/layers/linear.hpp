@@ -111,13 +111,19 @@ void gemm_packed_b(index_t m, index_t n, index_t k, const SA* a, index_t lda, co
 /// aligned.
 inline index_t linear_pair_stride(index_t in) { return round_up(bf16_pairs(in), index_t(16)); }
 
+/// No epilogue: linear_bf16_packed's default.
+struct LinearNoEpilogue {
+  void operator()(float*, index_t) const noexcept {}
+};
+
 /// y (rows, out) = x W^T on bf16 dot products: x and W bfloat16, y any
 /// storage with float compute. W is packed into pair panels once (in
 /// parallel), then each task takes kBlockM rows of x as pairs and runs the
-/// bf16 register tile over depth chunks of kKC / 2 pairs.
-template <class SY>
+/// bf16 register tile over depth chunks of kKC / 2 pairs. epi(row, r) sees
+/// each finished float row r (out values) before it is written to y.
+template <class SY, class Epi = LinearNoEpilogue>
 void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloat16* w, index_t out,
-                        SY* y, int nt) {
+                        SY* y, int nt, const Epi& epi = Epi()) {
   using Cfg = TileConfig<float>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   constexpr index_t kKCPairs = 128;  // 256 elements: the float path's depth chunk
@@ -155,7 +161,10 @@ void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloa
                                            cb + r0 * npad + p0, npad, 1.0f);
           }
         }
-        for (index_t r = 0; r < nrows; ++r) convert_row(cb + r * npad, out, y + (i0 + r) * out);
+        for (index_t r = 0; r < nrows; ++r) {
+          epi(cb + r * npad, i0 + r);
+          convert_row(cb + r * npad, out, y + (i0 + r) * out);
+        }
       },
       [] { thread_linear_workspace<float>().trim(); });
 }
@@ -276,6 +285,32 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
     gemm_packed_b(rows, ns, in, x, in, bp, y + s0, out, false, nt);
   }
 }
+
+#if defined(__AVX512BF16__)
+/// linear on bf16 dot products (x and W bfloat16, an AVX512-BF16 build) with
+/// epi(row, r) applied to each float output row r (out values) before it is
+/// rounded once to y: a per-row step fused into the product (a bfloat16
+/// layer's rotary), without a float copy of y.
+template <class SY, class Epi>
+void linear_bf16_rows(const bfloat16* x, index_t rows, index_t in, const bfloat16* w, index_t out,
+                      SY* y, int threads, const Epi& epi) {
+  constexpr index_t kDotRows = 96;  // as linear's
+  if (rows == 0 || out == 0) return;
+  if (rows < kDotRows) {  // few rows: linear's dot products into float, then the rows
+    float* f = thread_linear_workspace<float>().wide_x.get(rows * out);
+    linear(x, rows, in, w, out, f, threads);
+    for (index_t r = 0; r < rows; ++r) {
+      epi(f + r * out, r);
+      convert_row(f + r * out, out, y + r * out);
+    }
+    thread_linear_workspace<float>().trim();
+    return;
+  }
+  const double work =
+      static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+  linear_bf16_packed(x, rows, in, w, out, y, resolve_threads(threads, rows, work), epi);
+}
+#endif
 
 /// Backward of linear: dw (out, in) += dy^T x and dx (rows, in) = dy W (or +=
 /// when accumulate_dx: an input that feeds several projections). dx may be null.

@@ -110,6 +110,56 @@ void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<
   }
 }
 
+/// The rotary angles of n token rows (per batch entry) of `heads` heads of
+/// `dim` features at module_rope's positions (cu: a packed batch), in C, as
+/// rope_apply computes them; apply rotates one row of all heads.
+template <class C>
+struct ModuleRopeTable {
+  index_t n, heads, dim, half;
+  std::vector<index_t> pos;     // (n) each row's position
+  std::vector<C> cos_t, sin_t;  // (max position + 1, half)
+
+  ModuleRopeTable(index_t rows, index_t nheads, index_t width, index_t position_offset,
+                  const std::vector<index_t>* cu, double base, int threads)
+      : n(rows), heads(nheads), dim(width), half(width / 2), pos(static_cast<std::size_t>(rows)) {
+    if (n == 0) return;
+    for (index_t i = 0; i < n; ++i) pos[i] = position_offset + i;
+    if (cu)
+      for (std::size_t s = 0; s + 1 < cu->size(); ++s)
+        for (index_t i = (*cu)[s]; i < (*cu)[s + 1]; ++i) pos[i] = i - (*cu)[s];
+    const index_t max_pos = *std::max_element(pos.begin(), pos.end());
+    cos_t.resize(static_cast<std::size_t>((max_pos + 1) * half));
+    sin_t.resize(cos_t.size());
+    std::vector<double> inv_freq(static_cast<std::size_t>(half));
+    for (index_t i = 0; i < half; ++i) inv_freq[i] = rope_inv_freq(i, dim, base);
+    constexpr index_t kRows = 64;  // positions per task
+    const index_t tasks = (max_pos + kRows) / kRows;
+    parallel_tasks(
+        tasks, resolve_threads(threads, tasks, static_cast<double>(max_pos + 1) * half * 64),
+        [&](index_t t) {
+          for (index_t p = t * kRows; p < std::min(max_pos + 1, (t + 1) * kRows); ++p)
+            for (index_t i = 0; i < half; ++i) {
+              const double angle = static_cast<double>(p) * inv_freq[i];
+              cos_t[p * half + i] = static_cast<C>(std::cos(angle));
+              sin_t[p * half + i] = static_cast<C>(std::sin(angle));
+            }
+        },
+        [] {});
+  }
+  /// dst = src rotated (heads x dim values; dst may be src), r the row among
+  /// B * n.
+  void apply(const C* src, C* dst, index_t r) const {
+    const C* c = cos_t.data() + pos[r % n] * half;
+    const C* s = sin_t.data() + pos[r % n] * half;
+    for (index_t h = 0; h < heads; ++h)
+      for (index_t i = 0; i < half; ++i) {
+        const C a = src[h * dim + 2 * i], b = src[h * dim + 2 * i + 1];
+        dst[h * dim + 2 * i] = a * c[i] - b * s[i];
+        dst[h * dim + 2 * i + 1] = a * s[i] + b * c[i];
+      }
+  }
+};
+
 /// dst = rope(src) for src (B, N, H, D) in the compute type C, contiguous,
 /// dst (same shape) in A: each rotated pair computed in C exactly as
 /// module_rope computes it in place, then rounded once to A. Positions as
@@ -117,51 +167,17 @@ void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<
 template <class C, class A>
 void module_rope_round(const Tensor<C, 4>& src, Tensor<A, 4>& dst, index_t position_offset,
                        const std::vector<index_t>* cu, double base, int threads) {
-  const index_t b = src.shape(0), n = src.shape(1), heads = src.shape(2), dim = src.shape(3);
-  const index_t half = dim / 2, width = heads * dim;
+  const index_t b = src.shape(0), n = src.shape(1), width = src.shape(2) * src.shape(3);
   if (src.size() == 0) return;
-  // Each row's position; the table covers positions [0, max_pos].
-  std::vector<index_t> pos(static_cast<std::size_t>(n));
-  for (index_t i = 0; i < n; ++i) pos[i] = position_offset + i;
-  if (cu)
-    for (std::size_t s = 0; s + 1 < cu->size(); ++s)
-      for (index_t i = (*cu)[s]; i < (*cu)[s + 1]; ++i) pos[i] = i - (*cu)[s];
-  const index_t max_pos = *std::max_element(pos.begin(), pos.end());
-  std::vector<C> cos_t(static_cast<std::size_t>((max_pos + 1) * half));
-  std::vector<C> sin_t(cos_t.size());
-  std::vector<double> inv_freq(static_cast<std::size_t>(half));
-  for (index_t i = 0; i < half; ++i) inv_freq[i] = rope_inv_freq(i, dim, base);
-  auto table = [&](index_t p) {
-    for (index_t i = 0; i < half; ++i) {
-      const double angle = static_cast<double>(p) * inv_freq[i];
-      cos_t[p * half + i] = static_cast<C>(std::cos(angle));
-      sin_t[p * half + i] = static_cast<C>(std::sin(angle));
-    }
-  };
+  const ModuleRopeTable<C> table(n, src.shape(2), src.shape(3), position_offset, cu, base, threads);
   constexpr index_t kRows = 64;  // token rows per task
-  const index_t table_tasks = (max_pos + kRows) / kRows;
-  const double work = static_cast<double>(b * n) * static_cast<double>(width);
-  parallel_tasks(
-      table_tasks, resolve_threads(threads, table_tasks, work),
-      [&](index_t t) {
-        for (index_t p = t * kRows; p < std::min(max_pos + 1, (t + 1) * kRows); ++p) table(p);
-      },
-      [] {});
   const index_t tasks = (b * n + kRows - 1) / kRows;
   parallel_tasks(
-      tasks, resolve_threads(threads, tasks, work),
+      tasks, resolve_threads(threads, tasks, static_cast<double>(src.size())),
       [&](index_t t) {
         std::vector<C> row(static_cast<std::size_t>(width));
         for (index_t r = t * kRows; r < std::min(b * n, (t + 1) * kRows); ++r) {
-          const C* x = src.data() + r * width;
-          const C* c = cos_t.data() + pos[r % n] * half;
-          const C* s = sin_t.data() + pos[r % n] * half;
-          for (index_t h = 0; h < heads; ++h)
-            for (index_t i = 0; i < half; ++i) {
-              const C a = x[h * dim + 2 * i], bb = x[h * dim + 2 * i + 1];
-              row[h * dim + 2 * i] = a * c[i] - bb * s[i];
-              row[h * dim + 2 * i + 1] = a * s[i] + bb * c[i];
-            }
+          table.apply(src.data() + r * width, row.data(), r);
           convert_row(row.data(), width, dst.data() + r * width);
         }
       },
@@ -171,9 +187,10 @@ void module_rope_round(const Tensor<C, 4>& src, Tensor<A, 4>& dst, index_t posit
 /// out (rows, heads, width) = x (rows, in) w^T, then rotary (when `rope`) at
 /// the positions module_rope gives: in the layer's activation type A. When A
 /// is the compute type C the product is written to out and rotated in place;
-/// otherwise (a bfloat16 layer) the product is written in C and rotated,
-/// then rounded once to A (module_rope_round), or, without rotary, rounded
-/// once as it is written.
+/// otherwise (a bfloat16 layer) the product is rotated in C and rounded once
+/// to A: inside the product's epilogue where it runs on bf16 dot products
+/// (linear_bf16_rows), else from a C copy (module_rope_round); without
+/// rotary, rounded once as it is written.
 template <class C, class A, class SX, class SW>
 void module_project(const SX* x, index_t rows, index_t in, const SW* w, Tensor<A, 4>& out,
                     bool rope, index_t position_offset, const std::vector<index_t>* cu, double base,
@@ -184,6 +201,16 @@ void module_project(const SX* x, index_t rows, index_t in, const SW* w, Tensor<A
     if (rope) module_rope<C>(out.view(), position_offset, cu, base, false);
   } else {
     if (!rope) return module_linear(x, rows, in, w, width, out.data(), threads);
+#if defined(__AVX512BF16__)
+    if constexpr (kHasBf16Dot && std::is_same<SX, bfloat16>::value &&
+                  std::is_same<SW, bfloat16>::value && std::is_same<C, float>::value) {
+      if (out.size() == 0) return;
+      const ModuleRopeTable<C> table(out.shape(1), out.shape(2), out.shape(3), position_offset, cu,
+                                     base, threads);
+      return linear_bf16_rows(x, rows, in, w, width, out.data(), threads,
+                              [&](float* row, index_t r) { table.apply(row, row, r); });
+    }
+#endif
     Tensor<C, 4> wide(out.shape());
     module_linear(x, rows, in, w, width, wide.data(), threads);
     module_rope_round(wide, out, position_offset, cu, base, threads);
