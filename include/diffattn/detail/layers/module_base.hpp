@@ -434,7 +434,8 @@ class ModuleBase {
     derived().project(s, position_offset, seqs ? &s.seqs.cu_seqlens_q : nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
     s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, N, H, dv)
-    s.lse = Tensor<compute_type, 3>({b, 2 * h, n});    // (B, 2H, N)
+    if constexpr (kTrainable)  // a 16-bit layer has no backward: no lse (an empty view)
+      s.lse = Tensor<compute_type, 3>({b, 2 * h, n});  // (B, 2H, N)
     const auto& lambda = derived().lambda_of(s);
     if (seqs) {
       kernel<ModuleKernel::varlen>(drop_batch(s.q.cview()), drop_batch(s.k.cview()),
