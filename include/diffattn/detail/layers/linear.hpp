@@ -150,15 +150,22 @@ void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloa
         std::uint32_t* ab = reinterpret_cast<std::uint32_t*>(ws.a.get(rows_pad * lda));
         for (index_t r = 0; r < nrows; ++r) pack_query_pairs(x + (i0 + r) * in, in, ab + r * lda);
         std::fill(ab + nrows * lda, ab + rows_pad * lda, 0u);
+        // The first depth chunk stores its sums (times 1), the others add to
+        // them: no zero fill of the block (a sum from +0 accumulators is
+        // never -0, so the bits are those of adding to zeros).
         float* cb = ws.c.get(rows_pad * npad);
-        std::fill(cb, cb + rows_pad * npad, 0.0f);
+        if (pairs == 0) std::fill(cb, cb + rows_pad * npad, 0.0f);
         for (index_t k0 = 0; k0 < pairs; k0 += kKCPairs) {
           const index_t depth = std::min(kKCPairs, pairs - k0);
           for (index_t p0 = 0; p0 < npad; p0 += NR) {
             const std::uint32_t* panel = bp + p0 * pairs + k0 * NR;
-            for (index_t r0 = 0; r0 < rows_pad; r0 += MR)
-              micro_kernel_bf16_tile<true>(depth, ab + r0 * lda + k0, lda, panel,
-                                           cb + r0 * npad + p0, npad, 1.0f);
+            for (index_t r0 = 0; r0 < rows_pad; r0 += MR) {
+              float* c = cb + r0 * npad + p0;
+              if (k0 == 0)
+                micro_kernel_bf16_tile<false>(depth, ab + r0 * lda, lda, panel, c, npad, 1.0f);
+              else
+                micro_kernel_bf16_tile<true>(depth, ab + r0 * lda + k0, lda, panel, c, npad, 1.0f);
+            }
           }
         }
         for (index_t r = 0; r < nrows; ++r) {
