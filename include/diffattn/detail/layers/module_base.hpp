@@ -210,7 +210,9 @@ class ModuleBase {
   /// another layer or another batch size. A 16-bit cache
   /// (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is read by the
   /// kernel in compute_type, the new keys and values rounded to S when
-  /// appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
+  /// appended (a bfloat16 layer's are bfloat16 already: its own cache runs
+  /// its bfloat16 kernel, a float cache the float kernel on its queries
+  /// widened); an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
   /// gets them quantized per row with their scales, and a non-finite key or
   /// value throws, changing nothing.
   template <class S>
@@ -346,7 +348,7 @@ class ModuleBase {
   /// decoding equals the whole sequence only under the causal mask. S is the
   /// cache's storage: T, or bfloat16 / half (make_cache<bfloat16>(...)) for a
   /// cache of half the bytes, the keys and values rounded to S as they are
-  /// appended (the queries are not), or compute_type (a float cache for a
+  /// appended (a float layer's queries are not), or compute_type (a float cache for a
   /// 16-bit layer). A layer computing in float also takes std::int8_t or
   /// float8_e4m3 (make_cache<std::int8_t>(...)): an 8-bit cache, a quarter of
   /// float's bytes plus a float scale per (token, head), its keys (after
