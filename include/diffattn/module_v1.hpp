@@ -309,7 +309,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
 
   // attention_maps' W (B, H, N, N) from the projections in s.
   Tensor<C, 4> maps(const Saved& s) const {
-    const index_t h = cfg_.num_heads, b = s.x.shape(0), n = s.x.shape(1);
+    const index_t h = cfg_.num_heads, b = s.q.shape(0), n = s.q.shape(1);
     const C lambda = lambda_of(s);
     Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
     const index_t group = h / cfg_.num_kv_heads;
@@ -353,11 +353,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   index_t q_width() const noexcept { return 2 * cfg_.num_heads * d_; }      // q_proj rows
 
   // s.q (B, N, 2H, d) and s.k (B, N, 2Hkv, d) after rope, s.v (B, N, Hkv, 2d)
-  // and s.lambda, from the contiguous s.x (B, N, E): computed in C (products
+  // and s.lambda, from the contiguous s.in (B, N, E): computed in C (products
   // of T weights), kept in A (module_project: a bfloat16 layer rounds each
   // once, after rotary).
   void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
-    const Tensor<T, 3>& x = s.x;
+    const TensorView<const T, 3> x = s.in;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
     s.q = Tensor<A, 4>({b, n, 2 * cfg_.num_heads, d_});
     s.k = Tensor<A, 4>({b, n, 2 * cfg_.num_kv_heads, d_});

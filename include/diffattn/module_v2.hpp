@@ -216,7 +216,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   // attention_maps' W (B, H, N, N) from the projections in s (a bfloat16
   // layer's rounded q, k and logits, widened: what its kernel sees).
   Tensor<C, 4> maps(const Saved& s) const {
-    const index_t h = cfg_.num_heads, b = s.x.shape(0), n = s.x.shape(1);
+    const index_t h = cfg_.num_heads, b = s.q.shape(0), n = s.q.shape(1);
     Tensor<C, 4> w({b, h, n, n});                     // (B, H, N, N)
     const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
     const detail::KeyBand band = detail::band_of(options());
@@ -251,11 +251,11 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   }
 
   // s.q (B, N, 2H, hd) and s.k (B, N, Hkv, hd) after rope, s.v (B, N, Hkv, hd)
-  // and s.lambda_logit (B, N, H), from the contiguous s.x (B, N, E): computed
+  // and s.lambda_logit (B, N, H), from the contiguous s.in (B, N, E): computed
   // in C (products of T weights), kept in A (module_project: a bfloat16
   // layer rounds each once, after rotary).
   void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
-    const Tensor<T, 3>& x = s.x;
+    const TensorView<const T, 3> x = s.in;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
     const index_t h = cfg_.num_heads, hkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
     s.q = Tensor<A, 4>({b, n, 2 * h, hd});

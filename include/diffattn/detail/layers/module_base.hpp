@@ -41,10 +41,11 @@ struct ModuleCacheHeads {
 /// keeps nothing once forward returns), lse in C.
 template <class T, class A, class C = compute_t<T>>
 struct ModuleSaved {
-  Tensor<T, 3> x;        // (B, N, E) the input, contiguous
-  Tensor<A, 4> q, k, v;  // (B, N, 2H, dq), (B, N, Hk, dq) after rope; (B, N, Hkv, dv)
-  Tensor<A, 4> attn;     // (B, N, H, dv) kernel output
-  Tensor<C, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+  Tensor<T, 3> x;  // (B, N, E) the input, contiguous (for backward, or a strided x's copy)
+  TensorView<const T, 3> in;  // (B, N, E) what project reads: x, or the caller's contiguous x
+  Tensor<A, 4> q, k, v;       // (B, N, 2H, dq), (B, N, Hk, dq) after rope; (B, N, Hkv, dv)
+  Tensor<A, 4> attn;          // (B, N, H, dv) kernel output
+  Tensor<C, 3> lse;           // (B, 2H, N) log-sum-exp of each query head's map
   index_t position_offset = 0;
   bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
   PackedSequences seqs;
@@ -129,7 +130,7 @@ struct ModuleAccess;
 ///   static shapes parameter_shapes(const config_type&); // name -> PyTorch shape
 ///   std::vector<ModuleParam<T>> param_list();           // and a const overload
 ///   struct Saved : ModuleSaved<T, C>;                   // what forward keeps
-///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.x
+///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.in
 ///   lambda_of(const Saved&);                            // the kernel's lambda argument
 ///   Tensor<T, 3> output(Saved& s) const;                // y from s.attn
 ///   Tensor<T, 4> output_backward(g);                    // dL/d attn from dL/dy
@@ -220,7 +221,7 @@ class ModuleBase {
     check_cache(x, cache);
     derived().saved_ = typename Derived::Saved{};
     typename Derived::Saved s;  // this call's activations, dropped on return
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, cache.size(), nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
     s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
@@ -275,7 +276,7 @@ class ModuleBase {
     if (derived().mods_.any(derived().config().sinks))
       fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
     typename Derived::Saved s;
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, position_offset, nullptr);
     return derived().maps(s);
   }
@@ -432,7 +433,12 @@ class ModuleBase {
       s.packed = true;
       s.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
     }
-    s.x = module_contiguous_copy<T>(x);  // (B, N, E)
+    if constexpr (kTrainable) {
+      s.x = module_contiguous_copy<T>(x);  // (B, N, E), kept for backward
+      s.in = s.x.cview();
+    } else {
+      s.in = module_contiguous(x, s.x);  // no backward: x itself when contiguous
+    }
     derived().project(s, position_offset, seqs ? &s.seqs.cu_seqlens_q : nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
     s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, N, H, dv)
@@ -546,7 +552,7 @@ class ModuleBase {
   Tensor<T, 3> forward_around(TensorView<const T, 3> x, index_t position, Attend&& attend) {
     derived().saved_ = typename Derived::Saved{};
     typename Derived::Saved s;
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, position, nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
     s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)

@@ -483,6 +483,16 @@ Tensor<T, 3> module_contiguous_copy(TensorView<const T, 3> x) {
   return c;
 }
 
+/// x (B, N, E) itself when it is contiguous, else its contiguous copy, made
+/// in buf.
+template <class T>
+TensorView<const T, 3> module_contiguous(TensorView<const T, 3> x, Tensor<T, 3>& buf) {
+  const index_t n = x.shape(1), e = x.shape(2);
+  if (x.stride(2) == 1 && x.stride(1) == e && x.stride(0) == n * e) return x;
+  buf = module_contiguous_copy<T>(x);
+  return buf.cview();
+}
+
 /// nn.Linear's default initialisation, kaiming_uniform_(a = sqrt(5)): the bound
 /// gain * sqrt(3 / fan_in) with gain sqrt(2 / (1 + 5)) is 1 / sqrt(fan_in).
 template <class T>
