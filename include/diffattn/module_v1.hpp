@@ -292,13 +292,13 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = s.attn.shape(0), n = s.attn.shape(1), rows = b * n;
     s.normed = Tensor<A, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    s.inv_rms = Tensor<C, 3>({b, n, h});         // (B, N, H)
     Tensor<C, 1> wbuf;
     const auto weight = detail::module_compute_view(subln_weight_, wbuf);
-    if constexpr (std::is_same<A, C>::value)
+    if constexpr (std::is_same<A, C>::value) {
+      s.inv_rms = Tensor<C, 3>({b, n, h});  // (B, N, H)
       rms_norm<C>(s.attn, weight, s.normed.view(), cfg_.norm_eps, 1.0 - lambda_init_,
                   s.inv_rms.view());
-    else
+    } else  // no backward: no inv_rms
       detail::module_rms_norm_round(s.attn, weight, s.normed, cfg_.norm_eps, 1.0 - lambda_init_,
                                     num_threads_);
     Tensor<T, 3> y({b, n, e});  // (B, N, E), rounded once for a 16-bit layer

@@ -129,7 +129,7 @@ struct ModuleAccess;
 ///   ModuleCacheHeads cache_heads() const;               // what its KV cache holds
 ///   static shapes parameter_shapes(const config_type&); // name -> PyTorch shape
 ///   std::vector<ModuleParam<T>> param_list();           // and a const overload
-///   struct Saved : ModuleSaved<T, C>;                   // what forward keeps
+///   struct Saved : ModuleSaved<T, A>;                   // what forward keeps (A: activations)
 ///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.in
 ///   lambda_of(const Saved&);                            // the kernel's lambda argument
 ///   Tensor<T, 3> output(Saved& s) const;                // y from s.attn
