@@ -14,6 +14,8 @@
 //                         cached tokens; bytes: weights and cache read.
 //   BM_HalfLayerPrefill_V2<S>  a V2 layer's prefill (E = 1024, 16 DIFF heads
 //                         on 8 kv heads of 64), N = 4096, causal, all in S.
+//   BM_HalfLayerPrefill_V1<S>  its V1 twin: E = 1024, 16 DIFF heads on 8 kv
+//                         pairs, d = 32 (values 64), N = 4096, causal, all in S.
 //   BM_HalfPrefill_V1<S>  V1 prefill, 8 DIFF heads of d = 64 (q, k (N, 16, 64),
 //                         v (N, 8, 128)), N = 2048, causal, everything in S.
 //   BM_HalfPrefill_V2<S>  V2 prefill, 16 query heads (8 DIFF pairs) on 8 kv
@@ -223,6 +225,29 @@ void BM_HalfLayerPrefill_V2(benchmark::State& state) {
   set_counters(state, 0, static_cast<double>(2 * x.size() * sizeof(S)));
 }
 
+/// The V1 twin of BM_HalfLayerPrefill_V2: E = 1024, 16 DIFF heads (32 query
+/// heads of d = 32) on 8 kv pairs (values 2d = 64), causal, N tokens, B = 1,
+/// parameters, x and y all S.
+template <class S>
+void BM_HalfLayerPrefill_V1(benchmark::State& state) {
+  const index_t N = state.range(0);
+  diffattn::DiffAttnV1Config cfg;
+  cfg.embed_dim = 1024;
+  cfg.num_heads = 16;
+  cfg.num_kv_heads = 8;
+  cfg.causal = true;
+  diffattn::MultiheadDiffAttnV1<float> reference_layer(cfg, 1);
+  diffattn::MultiheadDiffAttnV1<S> layer(reference_layer);
+  layer.set_num_threads(static_cast<int>(state.range(1)));
+  Tensor<S, 3> x({1, N, cfg.embed_dim});
+  fill_uniform(x, 7);
+  for (auto _ : state) {
+    auto y = layer.forward(x);
+    benchmark::DoNotOptimize(y.data());
+  }
+  set_counters(state, 0, static_cast<double>(2 * x.size() * sizeof(S)));
+}
+
 /// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
 /// tokens, float against bfloat16.
 void print_memory() {
@@ -275,6 +300,14 @@ BENCHMARK_TEMPLATE(BM_HalfLayerPrefill_V2, float)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_HalfLayerPrefill_V2, bfloat16)
+    ->Args({4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerPrefill_V1, float)
+    ->Args({4096, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_HalfLayerPrefill_V1, bfloat16)
     ->Args({4096, 2})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -108,6 +108,7 @@ enum class WeightLayout {
 template <class T>
 class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T> {
   using C = compute_t<T>;
+  using A = detail::module_act_t<T>;  // activations: C, or bfloat16 for a bfloat16 layer
   using Base = detail::ModuleBase<MultiheadDiffAttnV1<T>, T>;
   friend Base;
 
@@ -274,8 +275,8 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
 
   // What the last forward keeps for the backward pass besides ModuleSaved's
   // (a 16-bit layer: nothing once forward returns).
-  struct Saved : detail::ModuleSaved<T, C> {
-    Tensor<C, 4> normed;   // (B, N, H, 2d) out_proj's input
+  struct Saved : detail::ModuleSaved<T, A> {
+    Tensor<A, 4> normed;   // (B, N, H, 2d) out_proj's input
     Tensor<C, 3> inv_rms;  // (B, N, H)
     LambdaTerms lambda;
   };
@@ -284,15 +285,22 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   static C lambda_of(const Saved& s) { return static_cast<C>(s.lambda.value()); }
 
   // y (B, N, E) from s.attn: the per-head RMSNorm scaled by (1 - lambda_init)
-  // (kept in s for backward), then out_proj.
+  // (kept in s for backward), then out_proj. A bfloat16 layer's norm reads
+  // its bfloat16 s.attn, computes in float and rounds the normed output once
+  // to bfloat16 (module_rms_norm_round), out_proj's input.
   Tensor<T, 3> output(Saved& s) const {
     const index_t e = cfg_.embed_dim, h = cfg_.num_heads;
     const index_t b = s.attn.shape(0), n = s.attn.shape(1), rows = b * n;
-    s.normed = Tensor<C, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
-    s.inv_rms = Tensor<C, 3>({b, n, h});         // (B, N, H)
+    s.normed = Tensor<A, 4>({b, n, h, 2 * d_});  // (B, N, H, 2d)
     Tensor<C, 1> wbuf;
-    rms_norm<C>(s.attn, detail::module_compute_view(subln_weight_, wbuf), s.normed.view(),
-                cfg_.norm_eps, 1.0 - lambda_init_, s.inv_rms.view());
+    const auto weight = detail::module_compute_view(subln_weight_, wbuf);
+    if constexpr (std::is_same<A, C>::value) {
+      s.inv_rms = Tensor<C, 3>({b, n, h});  // (B, N, H)
+      rms_norm<C>(s.attn, weight, s.normed.view(), cfg_.norm_eps, 1.0 - lambda_init_,
+                  s.inv_rms.view());
+    } else  // no backward: no inv_rms
+      detail::module_rms_norm_round(s.attn, weight, s.normed, cfg_.norm_eps, 1.0 - lambda_init_,
+                                    num_threads_);
     Tensor<T, 3> y({b, n, e});  // (B, N, E), rounded once for a 16-bit layer
     detail::module_linear(s.normed.data(), rows, q_width(), out_proj_.data(), e, y.data(),
                           num_threads_);
@@ -301,7 +309,7 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
 
   // attention_maps' W (B, H, N, N) from the projections in s.
   Tensor<C, 4> maps(const Saved& s) const {
-    const index_t h = cfg_.num_heads, b = s.x.shape(0), n = s.x.shape(1);
+    const index_t h = cfg_.num_heads, b = s.q.shape(0), n = s.q.shape(1);
     const C lambda = lambda_of(s);
     Tensor<C, 4> w({b, h, n, n});  // (B, H, N, N)
     const index_t group = h / cfg_.num_kv_heads;
@@ -345,21 +353,22 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   index_t q_width() const noexcept { return 2 * cfg_.num_heads * d_; }      // q_proj rows
 
   // s.q (B, N, 2H, d) and s.k (B, N, 2Hkv, d) after rope, s.v (B, N, Hkv, 2d)
-  // and s.lambda, from the contiguous s.x (B, N, E): in C, from T weights
-  // widened as they are packed.
+  // and s.lambda, from the contiguous s.in (B, N, E): computed in C (products
+  // of T weights), kept in A (module_project: a bfloat16 layer rounds each
+  // once, after rotary).
   void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
-    const Tensor<T, 3>& x = s.x;
+    const TensorView<const T, 3> x = s.in;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
-    s.q = Tensor<C, 4>({b, n, 2 * cfg_.num_heads, d_});
-    s.k = Tensor<C, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
-    s.v = Tensor<C, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), q_width(), s.q.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, k_proj_.data(), kv_width(), s.k.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, v_proj_.data(), kv_width(), s.v.data(), num_threads_);
-    if (cfg_.rope) {
-      detail::module_rope<C>(s.q.view(), position_offset, cu, cfg_.rope_base, false);
-      detail::module_rope<C>(s.k.view(), position_offset, cu, cfg_.rope_base, false);
-    }
+    s.q = Tensor<A, 4>({b, n, 2 * cfg_.num_heads, d_});
+    s.k = Tensor<A, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
+    s.v = Tensor<A, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
+    const double base = cfg_.rope_base;
+    detail::module_project<C>(x.data(), rows, e, q_proj_.data(), s.q, cfg_.rope, position_offset,
+                              cu, base, num_threads_);
+    detail::module_project<C>(x.data(), rows, e, k_proj_.data(), s.k, cfg_.rope, position_offset,
+                              cu, base, num_threads_);
+    detail::module_project<C>(x.data(), rows, e, v_proj_.data(), s.v, false, 0, nullptr, base,
+                              num_threads_);
     s.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
   }
 

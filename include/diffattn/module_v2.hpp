@@ -78,6 +78,7 @@ struct DiffAttnV2Config {
 template <class T>
 class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T> {
   using C = compute_t<T>;
+  using A = detail::module_act_t<T>;  // activations: C, or bfloat16 for a bfloat16 layer
   using Base = detail::ModuleBase<MultiheadDiffAttnV2<T>, T>;
   friend Base;
 
@@ -196,12 +197,12 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
 
   // What the last forward keeps for backward besides ModuleSaved's (a 16-bit
   // layer: nothing once forward returns).
-  struct Saved : detail::ModuleSaved<T, C> {
-    Tensor<C, 3> lambda_logit;  // (B, N, H)
+  struct Saved : detail::ModuleSaved<T, A> {
+    Tensor<A, 3> lambda_logit;  // (B, N, H)
   };
 
   // The lambda logits, as the kernel takes them.
-  static const Tensor<C, 3>& lambda_of(const Saved& s) { return s.lambda_logit; }
+  static const Tensor<A, 3>& lambda_of(const Saved& s) { return s.lambda_logit; }
 
   // y (B, N, E) from s.attn, through o_proj.
   Tensor<T, 3> output(Saved& s) const {
@@ -212,9 +213,10 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
     return y;
   }
 
-  // attention_maps' W (B, H, N, N) from the projections in s.
+  // attention_maps' W (B, H, N, N) from the projections in s (a bfloat16
+  // layer's rounded q, k and logits, widened: what its kernel sees).
   Tensor<C, 4> maps(const Saved& s) const {
-    const index_t h = cfg_.num_heads, b = s.x.shape(0), n = s.x.shape(1);
+    const index_t h = cfg_.num_heads, b = s.q.shape(0), n = s.q.shape(1);
     Tensor<C, 4> w({b, h, n, n});                     // (B, H, N, N)
     const index_t group = 2 * h / cfg_.num_kv_heads;  // query heads per kv head
     const detail::KeyBand band = detail::band_of(options());
@@ -223,7 +225,8 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
         const index_t gi = 2 * hi / group;
         const Matrix<C> a1 = detail::module_softmax_map<C>(s.q, s.k, bi, 2 * hi, gi, band);
         Matrix<C> a2 = detail::module_softmax_map<C>(s.q, s.k, bi, 2 * hi + 1, gi, band);
-        for (index_t i = 0; i < n; ++i) a2.row(i) *= lambda_sigmoid<C>(s.lambda_logit(bi, i, hi));
+        for (index_t i = 0; i < n; ++i)
+          a2.row(i) *= lambda_sigmoid<C>(static_cast<C>(s.lambda_logit(bi, i, hi)));
         detail::module_store_map<C>(a1 - a2, w, bi, hi);
       }
     return w;
@@ -248,25 +251,26 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
   }
 
   // s.q (B, N, 2H, hd) and s.k (B, N, Hkv, hd) after rope, s.v (B, N, Hkv, hd)
-  // and s.lambda_logit (B, N, H), from the contiguous s.x (B, N, E): in C,
-  // from T weights widened as they are packed.
+  // and s.lambda_logit (B, N, H), from the contiguous s.in (B, N, E): computed
+  // in C (products of T weights), kept in A (module_project: a bfloat16
+  // layer rounds each once, after rotary).
   void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
-    const Tensor<T, 3>& x = s.x;
+    const TensorView<const T, 3> x = s.in;
     const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
     const index_t h = cfg_.num_heads, hkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
-    s.q = Tensor<C, 4>({b, n, 2 * h, hd});
-    s.k = Tensor<C, 4>({b, n, hkv, hd});
-    s.v = Tensor<C, 4>({b, n, hkv, hd});
-    s.lambda_logit = Tensor<C, 3>({b, n, h});
-    detail::module_linear(x.data(), rows, e, q_proj_.data(), 2 * h * hd, s.q.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, k_proj_.data(), hkv * hd, s.k.data(), num_threads_);
-    detail::module_linear(x.data(), rows, e, v_proj_.data(), hkv * hd, s.v.data(), num_threads_);
+    s.q = Tensor<A, 4>({b, n, 2 * h, hd});
+    s.k = Tensor<A, 4>({b, n, hkv, hd});
+    s.v = Tensor<A, 4>({b, n, hkv, hd});
+    s.lambda_logit = Tensor<A, 3>({b, n, h});
+    const double base = cfg_.rope_base;
+    detail::module_project<C>(x.data(), rows, e, q_proj_.data(), s.q, cfg_.rope, position_offset,
+                              cu, base, num_threads_);
+    detail::module_project<C>(x.data(), rows, e, k_proj_.data(), s.k, cfg_.rope, position_offset,
+                              cu, base, num_threads_);
+    detail::module_project<C>(x.data(), rows, e, v_proj_.data(), s.v, false, 0, nullptr, base,
+                              num_threads_);
     detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, s.lambda_logit.data(),
                           num_threads_);
-    if (cfg_.rope) {
-      detail::module_rope<C>(s.q.view(), position_offset, cu, cfg_.rope_base, false);
-      detail::module_rope<C>(s.k.view(), position_offset, cu, cfg_.rope_base, false);
-    }
   }
 
   std::vector<detail::ModuleParam<T>> param_list() { return param_list(this); }

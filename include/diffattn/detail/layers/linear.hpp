@@ -111,13 +111,19 @@ void gemm_packed_b(index_t m, index_t n, index_t k, const SA* a, index_t lda, co
 /// aligned.
 inline index_t linear_pair_stride(index_t in) { return round_up(bf16_pairs(in), index_t(16)); }
 
+/// No epilogue: linear_bf16_packed's default.
+struct LinearNoEpilogue {
+  void operator()(float*, index_t) const noexcept {}
+};
+
 /// y (rows, out) = x W^T on bf16 dot products: x and W bfloat16, y any
 /// storage with float compute. W is packed into pair panels once (in
 /// parallel), then each task takes kBlockM rows of x as pairs and runs the
-/// bf16 register tile over depth chunks of kKC / 2 pairs.
-template <class SY>
+/// bf16 register tile over depth chunks of kKC / 2 pairs. epi(row, r) sees
+/// each finished float row r (out values) before it is written to y.
+template <class SY, class Epi = LinearNoEpilogue>
 void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloat16* w, index_t out,
-                        SY* y, int nt) {
+                        SY* y, int nt, const Epi& epi = Epi()) {
   using Cfg = TileConfig<float>;
   constexpr index_t MR = Cfg::kMR, NR = Cfg::kNR, BM = Cfg::kBlockM;
   constexpr index_t kKCPairs = 128;  // 256 elements: the float path's depth chunk
@@ -144,18 +150,28 @@ void linear_bf16_packed(const bfloat16* x, index_t rows, index_t in, const bfloa
         std::uint32_t* ab = reinterpret_cast<std::uint32_t*>(ws.a.get(rows_pad * lda));
         for (index_t r = 0; r < nrows; ++r) pack_query_pairs(x + (i0 + r) * in, in, ab + r * lda);
         std::fill(ab + nrows * lda, ab + rows_pad * lda, 0u);
+        // The first depth chunk stores its sums (times 1), the others add to
+        // them: no zero fill of the block (a sum from +0 accumulators is
+        // never -0, so the bits are those of adding to zeros).
         float* cb = ws.c.get(rows_pad * npad);
-        std::fill(cb, cb + rows_pad * npad, 0.0f);
+        if (pairs == 0) std::fill(cb, cb + rows_pad * npad, 0.0f);
         for (index_t k0 = 0; k0 < pairs; k0 += kKCPairs) {
           const index_t depth = std::min(kKCPairs, pairs - k0);
           for (index_t p0 = 0; p0 < npad; p0 += NR) {
             const std::uint32_t* panel = bp + p0 * pairs + k0 * NR;
-            for (index_t r0 = 0; r0 < rows_pad; r0 += MR)
-              micro_kernel_bf16_tile<true>(depth, ab + r0 * lda + k0, lda, panel,
-                                           cb + r0 * npad + p0, npad, 1.0f);
+            for (index_t r0 = 0; r0 < rows_pad; r0 += MR) {
+              float* c = cb + r0 * npad + p0;
+              if (k0 == 0)
+                micro_kernel_bf16_tile<false>(depth, ab + r0 * lda, lda, panel, c, npad, 1.0f);
+              else
+                micro_kernel_bf16_tile<true>(depth, ab + r0 * lda + k0, lda, panel, c, npad, 1.0f);
+            }
           }
         }
-        for (index_t r = 0; r < nrows; ++r) convert_row(cb + r * npad, out, y + (i0 + r) * out);
+        for (index_t r = 0; r < nrows; ++r) {
+          epi(cb + r * npad, i0 + r);
+          convert_row(cb + r * npad, out, y + (i0 + r) * out);
+        }
       },
       [] { thread_linear_workspace<float>().trim(); });
 }
@@ -276,6 +292,32 @@ void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY*
     gemm_packed_b(rows, ns, in, x, in, bp, y + s0, out, false, nt);
   }
 }
+
+#if defined(__AVX512BF16__)
+/// linear on bf16 dot products (x and W bfloat16, an AVX512-BF16 build) with
+/// epi(row, r) applied to each float output row r (out values) before it is
+/// rounded once to y: a per-row step fused into the product (a bfloat16
+/// layer's rotary), without a float copy of y.
+template <class SY, class Epi>
+void linear_bf16_rows(const bfloat16* x, index_t rows, index_t in, const bfloat16* w, index_t out,
+                      SY* y, int threads, const Epi& epi) {
+  constexpr index_t kDotRows = 96;  // as linear's
+  if (rows == 0 || out == 0) return;
+  if (rows < kDotRows) {  // few rows: linear's dot products into float, then the rows
+    float* f = thread_linear_workspace<float>().wide_x.get(rows * out);
+    linear(x, rows, in, w, out, f, threads);
+    for (index_t r = 0; r < rows; ++r) {
+      epi(f + r * out, r);
+      convert_row(f + r * out, out, y + r * out);
+    }
+    thread_linear_workspace<float>().trim();
+    return;
+  }
+  const double work =
+      static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+  linear_bf16_packed(x, rows, in, w, out, y, resolve_threads(threads, rows, work), epi);
+}
+#endif
 
 /// Backward of linear: dw (out, in) += dy^T x and dx (rows, in) = dy W (or +=
 /// when accumulate_dx: an input that feeds several projections). dx may be null.

@@ -36,14 +36,16 @@ struct ModuleCacheHeads {
 };
 
 /// What both layers' forward keeps for backward; a layer's Saved adds its
-/// own (V1: lambda and the norm's, V2: the lambda logits). Activations in C,
-/// unrounded.
-template <class T, class C>
+/// own (V1: lambda and the norm's, V2: the lambda logits). Activations in A
+/// (module_act_t<T>: C, unrounded, or bfloat16 for a bfloat16 layer, which
+/// keeps nothing once forward returns), lse in C.
+template <class T, class A, class C = compute_t<T>>
 struct ModuleSaved {
-  Tensor<T, 3> x;        // (B, N, E) the input, contiguous
-  Tensor<C, 4> q, k, v;  // (B, N, 2H, dq), (B, N, Hk, dq) after rope; (B, N, Hkv, dv)
-  Tensor<C, 4> attn;     // (B, N, H, dv) kernel output
-  Tensor<C, 3> lse;      // (B, 2H, N) log-sum-exp of each query head's map
+  Tensor<T, 3> x;  // (B, N, E) the input, contiguous (for backward, or a strided x's copy)
+  TensorView<const T, 3> in;  // (B, N, E) what project reads: x, or the caller's contiguous x
+  Tensor<A, 4> q, k, v;       // (B, N, 2H, dq), (B, N, Hk, dq) after rope; (B, N, Hkv, dv)
+  Tensor<A, 4> attn;          // (B, N, H, dv) kernel output
+  Tensor<C, 3> lse;           // (B, 2H, N) log-sum-exp of each query head's map
   index_t position_offset = 0;
   bool packed = false;  // a packed batch: B = 1, sequences in `seqs`
   PackedSequences seqs;
@@ -105,6 +107,16 @@ decltype(auto) module_lambda_rows(L& l, index_t a, index_t np) {
     return module_rows(l, a, np);
   }
 }
+/// A layer's lambda argument in C: V1's scalar as it is, V2's logits (a
+/// bfloat16 layer's) widened into a new tensor.
+template <class C, class L>
+auto module_lambda_as(const L& l) {
+  if constexpr (std::is_arithmetic<L>::value) {
+    return l;
+  } else {
+    return module_converted<C>(l);
+  }
+}
 
 struct ModuleAccess;
 
@@ -117,8 +129,8 @@ struct ModuleAccess;
 ///   ModuleCacheHeads cache_heads() const;               // what its KV cache holds
 ///   static shapes parameter_shapes(const config_type&); // name -> PyTorch shape
 ///   std::vector<ModuleParam<T>> param_list();           // and a const overload
-///   struct Saved : ModuleSaved<T, C>;                   // what forward keeps
-///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.x
+///   struct Saved : ModuleSaved<T, A>;                   // what forward keeps (A: activations)
+///   void project(Saved& s, position_offset, cu) const;  // s.q, s.k, s.v, lambda from s.in
 ///   lambda_of(const Saved&);                            // the kernel's lambda argument
 ///   Tensor<T, 3> output(Saved& s) const;                // y from s.attn
 ///   Tensor<T, 4> output_backward(g);                    // dL/d attn from dL/dy
@@ -131,6 +143,7 @@ class ModuleBase {
                     is_half_storage_v<T>,
                 "a layer's T is float, double, bfloat16 or half");
   static constexpr bool kTrainable = !is_half_storage_v<T>;
+  using Act = module_act_t<T>;  // the activations' storage (see compute_type)
 
  public:
   /// Storage of the parameters, of x and of y. A bfloat16 or half layer keeps
@@ -139,10 +152,16 @@ class ModuleBase {
   using value_type = T;
   /// What the layer computes in: T for float and double, float for the 16-bit
   /// layers. Projections, rotary, lambda, the norm and the kernel's
-  /// accumulators run in it, and the activations between them (q, k, v, the
-  /// lambda logits, the attention output) are kept in it, so a 16-bit layer
-  /// rounds only where a bfloat16 engine must: its output y, and keys and
-  /// values as they enter a 16-bit KV cache.
+  /// accumulators run in it. A float, double or half layer also keeps the
+  /// activations between them (q, k, v, the lambda logits, the attention
+  /// output) in it, so a half layer rounds only its output y (and keys and
+  /// values as they enter a 16-bit KV cache). A bfloat16 layer keeps them in
+  /// bfloat16, as a PyTorch bf16 module does, each computed in float and
+  /// rounded once when stored: q and k after rotary, v, V2's lambda logits,
+  /// the attention output, V1's normed output (out_proj's input), and y. Its
+  /// attention kernel and both projections then run on bf16 data (bf16 dot
+  /// products where the build targets AVX512-BF16). V1's lambda_full stays a
+  /// float scalar.
   using compute_type = compute_t<T>;
 
   /// Threads of the attention kernel and the projections (0: the OpenMP
@@ -192,7 +211,9 @@ class ModuleBase {
   /// another layer or another batch size. A 16-bit cache
   /// (make_cache<bfloat16>, or a 16-bit layer's make_cache()) is read by the
   /// kernel in compute_type, the new keys and values rounded to S when
-  /// appended; an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
+  /// appended (a bfloat16 layer's are bfloat16 already: its own cache runs
+  /// its bfloat16 kernel, a float cache the float kernel on its queries
+  /// widened); an 8-bit one (make_cache<std::int8_t>, make_cache<float8_e4m3>)
   /// gets them quantized per row with their scales, and a non-finite key or
   /// value throws, changing nothing.
   template <class S>
@@ -200,17 +221,38 @@ class ModuleBase {
     check_cache(x, cache);
     derived().saved_ = typename Derived::Saved{};
     typename Derived::Saved s;  // this call's activations, dropped on return
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, cache.size(), nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
-    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
+    s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
     const auto& lambda = derived().lambda_of(s);
     const AttentionOptions o = options();
+    // The kernels take keys and values of the queries' type, of a 16-bit
+    // type, or 8-bit under float or 16-bit queries; a bfloat16 layer's float
+    // cache (make_cache<float>) is read by the float kernel on its queries
+    // and lambda logits widened, the output rounded to bfloat16.
+    constexpr bool wide = !std::is_same<S, Act>::value && !is_half_storage_v<S> &&
+                          !is_8bit_storage_v<S> && !std::is_same<Act, compute_type>::value;
     module_cache_append(cache, s.k, s.v, [&](index_t a, index_t np, auto keys, auto values) {
       const auto q = module_rows(s.q, a, np);
       const auto out = module_rows(s.attn, a, np);
-      if constexpr (std::is_same<S, compute_type>::value) {
+      if constexpr (std::is_same<S, Act>::value) {
         kernel<ModuleKernel::dense>(q, keys, values, module_lambda_rows(lambda, a, np), out, o);
+      } else if constexpr (wide) {
+        static_assert(std::is_same<S, compute_type>::value, "a float cache");
+        Tensor<compute_type, 4> qw({b, np, q.shape(2), q.shape(3)}), ow(out.shape());
+        for (index_t i = 0; i < b; ++i)
+          convert_row(&q(i, 0, 0, 0), np * q.shape(2) * q.shape(3), &qw(i, 0, 0, 0));
+        auto lw = module_lambda_as<compute_type>(lambda);
+        const FullCache full(b, cache, np);
+        if constexpr (Derived::kVersion == 1)
+          diff_attention_v1_kvcache<compute_type, S>(qw, keys, values, lw, ow.view(), {},
+                                                     full.batch, o);
+        else
+          diff_attention_v2_kvcache<compute_type, S>(qw, keys, values, module_rows(lw, a, np),
+                                                     ow.view(), {}, full.batch, o);
+        for (index_t i = 0; i < b; ++i)
+          convert_row(&ow(i, 0, 0, 0), np * out.shape(2) * out.shape(3), &out(i, 0, 0, 0));
       } else {  // every sequence holds all of keys: the cache kernel reads S rows
         const FullCache full(b, cache, np);
         kernel<ModuleKernel::kvcache, S>(q, keys, values, module_lambda_rows(lambda, a, np), out,
@@ -234,7 +276,7 @@ class ModuleBase {
     if (derived().mods_.any(derived().config().sinks))
       fail_in("attention_maps", "not available with softcap, alibi or sinks (issue 37)");
     typename Derived::Saved s;
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, position_offset, nullptr);
     return derived().maps(s);
   }
@@ -307,7 +349,7 @@ class ModuleBase {
   /// decoding equals the whole sequence only under the causal mask. S is the
   /// cache's storage: T, or bfloat16 / half (make_cache<bfloat16>(...)) for a
   /// cache of half the bytes, the keys and values rounded to S as they are
-  /// appended (the queries are not), or compute_type (a float cache for a
+  /// appended (a float layer's queries are not), or compute_type (a float cache for a
   /// 16-bit layer). A layer computing in float also takes std::int8_t or
   /// float8_e4m3 (make_cache<std::int8_t>(...)): an 8-bit cache, a quarter of
   /// float's bytes plus a float scale per (token, head), its keys (after
@@ -359,9 +401,9 @@ class ModuleBase {
 
   /// Derived's kernel (diff_attention_v1 or _v2) in form F on the arguments a;
   /// S is a KV cache's storage.
-  template <ModuleKernel F, class S = compute_type, class... A>
+  template <ModuleKernel F, class S = detail::module_act_t<T>, class... A>
   static void kernel(A&&... a) {
-    using C = compute_type;
+    using C = detail::module_act_t<T>;  // the kernel's storage: the activations'
     constexpr bool v1 = Derived::kVersion == 1;
     if constexpr (F == ModuleKernel::dense) {
       if constexpr (v1) diff_attention_v1<C>(std::forward<A>(a)...);
@@ -391,11 +433,17 @@ class ModuleBase {
       s.packed = true;
       s.seqs.cu_seqlens_q = seqs->cu_seqlens_q;
     }
-    s.x = module_contiguous_copy<T>(x);  // (B, N, E)
+    if constexpr (kTrainable) {
+      s.x = module_contiguous_copy<T>(x);  // (B, N, E), kept for backward
+      s.in = s.x.cview();
+    } else {
+      s.in = module_contiguous(x, s.x);  // no backward: x itself when contiguous
+    }
     derived().project(s, position_offset, seqs ? &s.seqs.cu_seqlens_q : nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
-    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, N, H, dv)
-    s.lse = Tensor<compute_type, 3>({b, 2 * h, n});             // (B, 2H, N)
+    s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, N, H, dv)
+    if constexpr (kTrainable)  // a 16-bit layer has no backward: no lse (an empty view)
+      s.lse = Tensor<compute_type, 3>({b, 2 * h, n});  // (B, 2H, N)
     const auto& lambda = derived().lambda_of(s);
     if (seqs) {
       kernel<ModuleKernel::varlen>(drop_batch(s.q.cview()), drop_batch(s.k.cview()),
@@ -497,16 +545,26 @@ class ModuleBase {
   /// tokens' q, k, v (B, n, heads, width, compute_type), the kernel's lambda
   /// argument (a scalar for V1, the (B, n, H) logits for V2), out (B, n, H,
   /// dv) to fill and the layer's kernel options, then returns y (B, n, E).
-  /// Keeps nothing for backward. check_cache_shape(x, cache) first.
+  /// Keeps nothing for backward. check_cache_shape(x, cache) first. A
+  /// bfloat16 layer's q, k, v and lambda logits (bfloat16) are widened for
+  /// attend, and its out rounded to bfloat16.
   template <class Attend>
   Tensor<T, 3> forward_around(TensorView<const T, 3> x, index_t position, Attend&& attend) {
     derived().saved_ = typename Derived::Saved{};
     typename Derived::Saved s;
-    s.x = module_contiguous_copy<T>(x);
+    s.in = module_contiguous(x, s.x);
     derived().project(s, position, nullptr);
     const index_t b = x.shape(0), n = x.shape(1), h = derived().config().num_heads;
-    s.attn = Tensor<compute_type, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
-    attend(s.q, s.k, s.v, derived().lambda_of(s), s.attn, options());
+    s.attn = Tensor<Act, 4>({b, n, h, s.v.shape(3)});  // (B, n, H, dv)
+    if constexpr (std::is_same<Act, compute_type>::value) {
+      attend(s.q, s.k, s.v, derived().lambda_of(s), s.attn, options());
+    } else {
+      using C = compute_type;
+      Tensor<C, 4> out(s.attn.shape());
+      attend(module_converted<C>(s.q), module_converted<C>(s.k), module_converted<C>(s.v),
+             module_lambda_as<C>(derived().lambda_of(s)), out, options());
+      convert_row(out.data(), out.size(), s.attn.data());
+    }
     return derived().output(s);
   }
   /// check_cache without the room for x's tokens (a sharded step appends them

@@ -24,6 +24,7 @@
 #include "../../tensor.hpp"
 #include "../../types.hpp"
 #include "../core/format.hpp"
+#include "../core/parallel.hpp"
 #include "../core/random.hpp"
 #include "../core/validate.hpp"
 #include "../kernel/convert.hpp"
@@ -39,6 +40,23 @@ template <class SX, class SW, class SY>
 void module_linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
                    int threads) {
   linear(x, rows, in, w, out, y, threads);
+}
+
+/// What a layer of storage T keeps its activations in between stages (q, k,
+/// v after rotary, V2's lambda logits, the attention output, V1's normed
+/// output): bfloat16 for a bfloat16 layer, as a PyTorch bf16 module does, so
+/// that the attention kernel and the output projection run on bf16 data
+/// (bf16 dot products where the build targets AVX512-BF16); compute_t<T>
+/// otherwise (float, double, and half, whose products widen to float anyway).
+template <class T>
+using module_act_t = std::conditional_t<std::is_same<T, bfloat16>::value, bfloat16, compute_t<T>>;
+
+/// A contiguous copy of t in D (each element converted once).
+template <class D, class S, std::size_t R>
+Tensor<D, R> module_converted(const Tensor<S, R>& t) {
+  Tensor<D, R> out(t.shape());
+  convert_row(t.data(), t.size(), out.data());
+  return out;
 }
 
 /// Backward of module_linear: dw (out, in) += dy^T x, and dx (rows, in) = dy w
@@ -90,6 +108,145 @@ void module_rope(TensorView<T, 4> t, index_t position_offset, const std::vector<
     if (n > 0)
       apply(TensorView<T, 4>(&t(0, r0, 0, 0), {1, n, t.shape(2), t.shape(3)}, t.strides()), 0);
   }
+}
+
+/// The rotary angles of n token rows (per batch entry) of `heads` heads of
+/// `dim` features at module_rope's positions (cu: a packed batch), in C, as
+/// rope_apply computes them; apply rotates one row of all heads.
+template <class C>
+struct ModuleRopeTable {
+  index_t n, heads, dim, half;
+  std::vector<index_t> pos;     // (n) each row's position
+  std::vector<C> cos_t, sin_t;  // (max position + 1, half)
+
+  ModuleRopeTable(index_t rows, index_t nheads, index_t width, index_t position_offset,
+                  const std::vector<index_t>* cu, double base, int threads)
+      : n(rows), heads(nheads), dim(width), half(width / 2), pos(static_cast<std::size_t>(rows)) {
+    if (n == 0) return;
+    for (index_t i = 0; i < n; ++i) pos[i] = position_offset + i;
+    if (cu)
+      for (std::size_t s = 0; s + 1 < cu->size(); ++s)
+        for (index_t i = (*cu)[s]; i < (*cu)[s + 1]; ++i) pos[i] = i - (*cu)[s];
+    const index_t max_pos = *std::max_element(pos.begin(), pos.end());
+    cos_t.resize(static_cast<std::size_t>((max_pos + 1) * half));
+    sin_t.resize(cos_t.size());
+    std::vector<double> inv_freq(static_cast<std::size_t>(half));
+    for (index_t i = 0; i < half; ++i) inv_freq[i] = rope_inv_freq(i, dim, base);
+    constexpr index_t kRows = 64;  // positions per task
+    const index_t tasks = (max_pos + kRows) / kRows;
+    parallel_tasks(
+        tasks, resolve_threads(threads, tasks, static_cast<double>(max_pos + 1) * half * 64),
+        [&](index_t t) {
+          for (index_t p = t * kRows; p < std::min(max_pos + 1, (t + 1) * kRows); ++p)
+            for (index_t i = 0; i < half; ++i) {
+              const double angle = static_cast<double>(p) * inv_freq[i];
+              cos_t[p * half + i] = static_cast<C>(std::cos(angle));
+              sin_t[p * half + i] = static_cast<C>(std::sin(angle));
+            }
+        },
+        [] {});
+  }
+  /// dst = src rotated (heads x dim values; dst may be src), r the row among
+  /// B * n.
+  void apply(const C* src, C* dst, index_t r) const {
+    const C* c = cos_t.data() + pos[r % n] * half;
+    const C* s = sin_t.data() + pos[r % n] * half;
+    for (index_t h = 0; h < heads; ++h)
+      for (index_t i = 0; i < half; ++i) {
+        const C a = src[h * dim + 2 * i], b = src[h * dim + 2 * i + 1];
+        dst[h * dim + 2 * i] = a * c[i] - b * s[i];
+        dst[h * dim + 2 * i + 1] = a * s[i] + b * c[i];
+      }
+  }
+};
+
+/// dst = rope(src) for src (B, N, H, D) in the compute type C, contiguous,
+/// dst (same shape) in A: each rotated pair computed in C exactly as
+/// module_rope computes it in place, then rounded once to A. Positions as
+/// module_rope's (cu: a packed batch). Threads over token rows.
+template <class C, class A>
+void module_rope_round(const Tensor<C, 4>& src, Tensor<A, 4>& dst, index_t position_offset,
+                       const std::vector<index_t>* cu, double base, int threads) {
+  const index_t b = src.shape(0), n = src.shape(1), width = src.shape(2) * src.shape(3);
+  if (src.size() == 0) return;
+  const ModuleRopeTable<C> table(n, src.shape(2), src.shape(3), position_offset, cu, base, threads);
+  constexpr index_t kRows = 64;  // token rows per task
+  const index_t tasks = (b * n + kRows - 1) / kRows;
+  parallel_tasks(
+      tasks, resolve_threads(threads, tasks, static_cast<double>(src.size())),
+      [&](index_t t) {
+        std::vector<C> row(static_cast<std::size_t>(width));
+        for (index_t r = t * kRows; r < std::min(b * n, (t + 1) * kRows); ++r) {
+          table.apply(src.data() + r * width, row.data(), r);
+          convert_row(row.data(), width, dst.data() + r * width);
+        }
+      },
+      [] {});
+}
+
+/// out (rows, heads, width) = x (rows, in) w^T, then rotary (when `rope`) at
+/// the positions module_rope gives: in the layer's activation type A. When A
+/// is the compute type C the product is written to out and rotated in place;
+/// otherwise (a bfloat16 layer) the product is rotated in C and rounded once
+/// to A: inside the product's epilogue where it runs on bf16 dot products
+/// (linear_bf16_rows), else from a C copy (module_rope_round); without
+/// rotary, rounded once as it is written.
+template <class C, class A, class SX, class SW>
+void module_project(const SX* x, index_t rows, index_t in, const SW* w, Tensor<A, 4>& out,
+                    bool rope, index_t position_offset, const std::vector<index_t>* cu, double base,
+                    int threads) {
+  const index_t width = out.shape(2) * out.shape(3);
+  if constexpr (std::is_same<A, C>::value) {
+    module_linear(x, rows, in, w, width, out.data(), threads);
+    if (rope) module_rope<C>(out.view(), position_offset, cu, base, false);
+  } else {
+    if (!rope) return module_linear(x, rows, in, w, width, out.data(), threads);
+#if defined(__AVX512BF16__)
+    if constexpr (kHasBf16Dot && std::is_same<SX, bfloat16>::value &&
+                  std::is_same<SW, bfloat16>::value && std::is_same<C, float>::value) {
+      if (out.size() == 0) return;
+      const ModuleRopeTable<C> table(out.shape(1), out.shape(2), out.shape(3), position_offset, cu,
+                                     base, threads);
+      return linear_bf16_rows(x, rows, in, w, width, out.data(), threads,
+                              [&](float* row, index_t r) { table.apply(row, row, r); });
+    }
+#endif
+    Tensor<C, 4> wide(out.shape());
+    module_linear(x, rows, in, w, width, wide.data(), threads);
+    module_rope_round(wide, out, position_offset, cu, base, threads);
+  }
+}
+
+/// V1's per-head RMSNorm (rms_norm's arithmetic) on x (B, N, H, D) stored
+/// as A (a bfloat16 layer's attention output): each row widened to C, its
+/// sum of squares in double, x * f * weight(j) in C with f = C(scale / rms),
+/// rounded once to A into out (same shape). weight (D) or empty. Threads over
+/// rows.
+template <class C, class A>
+void module_rms_norm_round(const Tensor<A, 4>& x, TensorView<const C, 1> weight, Tensor<A, 4>& out,
+                           double eps, double scale, int threads) {
+  const index_t dim = x.shape(3), rows = x.size() / std::max<index_t>(dim, 1);
+  if (x.size() == 0) return;
+  constexpr index_t kRows = 256;  // norm rows per task
+  const index_t tasks = (rows + kRows - 1) / kRows;
+  parallel_tasks(
+      tasks, resolve_threads(threads, tasks, static_cast<double>(x.size())),
+      [&](index_t t) {
+        std::vector<C> row(static_cast<std::size_t>(dim));
+        for (index_t r = t * kRows; r < std::min(rows, (t + 1) * kRows); ++r) {
+          convert_row(x.data() + r * dim, dim, row.data());
+          double ss = 0;
+          for (index_t j = 0; j < dim; ++j) ss += static_cast<double>(row[j]) * row[j];
+          const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + eps);
+          const C f = static_cast<C>(inv * scale);
+          if (weight.empty())
+            for (index_t j = 0; j < dim; ++j) row[j] = row[j] * f;
+          else
+            for (index_t j = 0; j < dim; ++j) row[j] = row[j] * f * weight(j);
+          convert_row(row.data(), dim, out.data() + r * dim);
+        }
+      },
+      [] {});
 }
 
 /// Checks the packed-batch arguments of a layer's forward: x (1, T, E) and
@@ -291,15 +448,17 @@ class ModuleGrads {
 
 /// softmax(s q_qh k_kh^T + mask) of batch entry b, materialised (N x M), from
 /// q (B, N, Hq, d) and k (B, M, Hk, d), s = 1/sqrt(d); for analysis.
-template <class T>
-Matrix<T> module_softmax_map(const Tensor<T, 4>& q, const Tensor<T, 4>& k, index_t b, index_t qh,
+/// q and k may be stored narrower than T (a bfloat16 layer's activations):
+/// widened exactly.
+template <class T, class A>
+Matrix<T> module_softmax_map(const Tensor<A, 4>& q, const Tensor<A, 4>& k, index_t b, index_t qh,
                              index_t kh, const KeyBand& band) {
   const index_t n = q.shape(1), m = k.shape(1), d = q.shape(3);
   Matrix<T> qm(n, d), km(m, d);
   for (index_t i = 0; i < n; ++i)
-    for (index_t t = 0; t < d; ++t) qm(i, t) = q(b, i, qh, t);
+    for (index_t t = 0; t < d; ++t) qm(i, t) = static_cast<T>(q(b, i, qh, t));
   for (index_t j = 0; j < m; ++j)
-    for (index_t t = 0; t < d; ++t) km(j, t) = k(b, j, kh, t);
+    for (index_t t = 0; t < d; ++t) km(j, t) = static_cast<T>(k(b, j, kh, t));
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   return softmax(masked_scores<T>(qm, km, scale, band));
 }
@@ -322,6 +481,16 @@ Tensor<T, 3> module_contiguous_copy(TensorView<const T, 3> x) {
       for (index_t k = 0; k < x.shape(2); ++k) *dst++ = src[k * x.stride(2)];
     }
   return c;
+}
+
+/// x (B, N, E) itself when it is contiguous, else its contiguous copy, made
+/// in buf.
+template <class T>
+TensorView<const T, 3> module_contiguous(TensorView<const T, 3> x, Tensor<T, 3>& buf) {
+  const index_t n = x.shape(1), e = x.shape(2);
+  if (x.stride(2) == 1 && x.stride(1) == e && x.stride(0) == n * e) return x;
+  buf = module_contiguous_copy<T>(x);
+  return buf.cview();
 }
 
 /// nn.Linear's default initialisation, kaiming_uniform_(a = sqrt(5)): the bound
