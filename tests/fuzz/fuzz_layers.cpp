@@ -14,11 +14,14 @@
 //     same type fed the same tokens one at a time; for V2 they also stay
 //     within 8 units of the storage's rounding of the float forward (V1's
 //     per-head norm can scale a rounding error up by 1 / sqrt(eps)).
-// The layer itself holds float, bfloat16 or half. A 16-bit layer computes in
+// The layer itself holds float, bfloat16 or half. A half layer computes in
 // float and rounds its output once, so with any cache its outputs must equal,
 // bit for bit, the rounding of its float twin's (the layer widened, with a
-// cache of the same type fed the same tokens), and it must refuse exactly
-// what the twin refuses.
+// cache of the same type fed the same tokens). A bfloat16 layer also rounds
+// its activations (q, k, v, the lambda logits, the attention output) and
+// runs the bfloat16 kernels, so its outputs need only be finite here; their
+// accuracy is held to a bound derived from those roundings in
+// tests/test_layers_half.cpp. Both must refuse exactly what the twin refuses.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -157,9 +160,9 @@ void drive(Layer& layer, Input& in, index_t batch, index_t capacity) {
 }
 
 /// A 16-bit layer (T) and its float twin, each with a cache of S, driven by
-/// the same calls: every output of the layer is bitwise the rounding of the
-/// twin's to T, and a call the one refuses the other refuses, neither cache
-/// changed.
+/// the same calls: every output of a half layer is bitwise the rounding of
+/// the twin's to T (a bfloat16 layer's is finite), and a call the one
+/// refuses the other refuses, neither cache changed.
 template <class T, class S, template <class> class Layer>
 void drive_narrow(Layer<T>& layer, Layer<float>& twin, Input& in, index_t batch, index_t capacity) {
   const index_t E = layer.config().embed_dim;
@@ -194,11 +197,12 @@ void drive_narrow(Layer<T>& layer, Layer<float>& twin, Input& in, index_t batch,
       __builtin_trap();  // the twin refused what the layer ran
     }
     if (cache_f.size() != cache.size() || cache_f.stored() != cache.stored()) __builtin_trap();
+    constexpr bool bitwise = !std::is_same<T, diffattn::bfloat16>::value;
     for (index_t i = 0; i < y.size(); ++i) {
       const T want = static_cast<T>(yf.data()[i]);
       if (!std::isfinite(static_cast<float>(y.data()[i]))) __builtin_trap();
-      if (Eigen::numext::bit_cast<std::uint16_t>(y.data()[i]) !=
-          Eigen::numext::bit_cast<std::uint16_t>(want))
+      if (bitwise && Eigen::numext::bit_cast<std::uint16_t>(y.data()[i]) !=
+                         Eigen::numext::bit_cast<std::uint16_t>(want))
         __builtin_trap();
     }
   }
