@@ -88,7 +88,7 @@ TEST_CASE("float8_e4m3 converts exactly and rounds to nearest even, saturating",
   REQUIRE(static_cast<float>(float8_e4m3(std::ldexp(1.0f, -9))) == std::ldexp(1.0f, -9));
   REQUIRE(static_cast<float>(float8_e4m3(std::ldexp(1.0f, -10))) == 0.0f);  // tie to even: 0
   REQUIRE(static_cast<float>(float8_e4m3(std::ldexp(3.0f, -10))) == std::ldexp(1.0f, -8));
-  REQUIRE(static_cast<float>(float8_e4m3(1.0625f)) == 1.0f);  // tie between 1 and 1.125
+  REQUIRE(static_cast<float>(float8_e4m3(1.0625f)) == 1.0f);   // tie between 1 and 1.125
   REQUIRE(static_cast<float>(float8_e4m3(1.1875f)) == 1.25f);  // tie between 1.125 and 1.25
   // A sweep of floats against the nearest code found by search.
   diffattn::detail::Rng rng(7);
@@ -116,7 +116,7 @@ TEMPLATE_TEST_CASE("quantize_rows follows its contract", "[quant]", std::int8_t,
     Tensor<float, 3> x = random_tensor<float, 3>({3, 5, d}, 11 + d, 2.0);
     for (index_t t = 0; t < d; ++t) x(1, 2, t) = 0;                       // a zero row
     for (index_t t = 0; t < d; ++t) x(2, 1, t) *= std::ldexp(1.0f, -20);  // a tiny row
-    x(0, 0, 3) = 1e6f;                                                   // a large value
+    x(0, 0, 3) = 1e6f;                                                    // a large value
     Tensor<Q, 3> q({3, 5, d});
     Tensor<float, 2> s({3, 5});
     diffattn::quantize_rows<float, Q>(x, q, s);
@@ -185,11 +185,16 @@ TEMPLATE_TEST_CASE("quantize_rows follows its contract", "[quant]", std::int8_t,
                       {"quantize_rows", "src", "(1, 0, 5)", "finite"});
   REQUIRE(sbad(0, 0) == -1.0f);
   Tensor<float, 2> wrong({2, 3});
-  test::require_error([&] { diffattn::quantize_rows<float, Q>(random_tensor<float, 3>({2, 2, 8}, 1), qbad, wrong); },
-                      {"quantize_rows", "scale", "(2, 3)", "(2, 2)"});
+  test::require_error(
+      [&] {
+        diffattn::quantize_rows<float, Q>(random_tensor<float, 3>({2, 2, 8}, 1), qbad, wrong);
+      },
+      {"quantize_rows", "scale", "(2, 3)", "(2, 2)"});
   Tensor<Q, 3> qwrong({2, 2, 9});
   test::require_error(
-      [&] { diffattn::quantize_rows<float, Q>(random_tensor<float, 3>({2, 2, 8}, 1), qwrong, sbad); },
+      [&] {
+        diffattn::quantize_rows<float, Q>(random_tensor<float, 3>({2, 2, 8}, 1), qwrong, sbad);
+      },
       {"quantize_rows", "dst", "(2, 2, 9)", "(2, 2, 8)"});
 }
 
@@ -262,8 +267,8 @@ QCache<Q> paged(const QCache<Q>& c, index_t bs) {
   const index_t blocks = B * per + 2;
   QCache<Q> p{Tensor<Q, 4>({blocks, bs, c.k.shape(2), c.k.shape(3)}),
               Tensor<Q, 4>({blocks, bs, c.v.shape(2), c.v.shape(3)}),
-              Tensor<float, 3>({blocks, bs, c.k.shape(2)}), Tensor<float, 3>({blocks, bs, c.v.shape(2)}),
-              Tensor<index_t, 2>({B, per})};
+              Tensor<float, 3>({blocks, bs, c.k.shape(2)}),
+              Tensor<float, 3>({blocks, bs, c.v.shape(2)}), Tensor<index_t, 2>({B, per})};
   p.ks.fill(std::numeric_limits<float>::quiet_NaN());  // unused rows: never read
   p.vs.fill(-1.0f);
   std::vector<index_t> ids(static_cast<std::size_t>(blocks));
@@ -319,8 +324,8 @@ AttentionOptions options_of(const Case& c, int threads = 0) {
 template <class T, class KV, class Q4, class L3>
 void run_kernel(const Case& c, const Inputs& in, const Tensor<KV, 4>& k, const Tensor<KV, 4>& v,
                 const KVCacheBatch& cache, Tensor<T, 4>& out,
-                Tensor<diffattn::compute_t<T>, 3>& lse, const Q4& q,
-                const L3& logit, const AttentionOptions& o) {
+                Tensor<diffattn::compute_t<T>, 3>& lse, const Q4& q, const L3& logit,
+                const AttentionOptions& o) {
   switch (c.kind) {
     case Kind::v1:
       diffattn::diff_attention_v1_kvcache<T, KV>(q, k, v, static_cast<T>(in.lambda), out, lse,
@@ -361,8 +366,8 @@ void reference(const Case& c, const Tensor<T, 4>& q, const Tensor<T, 4>& k, cons
                                                   entry(out, c.n), no_lse, o);
         break;
       default:
-        diffattn::reference::attention<T>(entry(q, c.n), entry(k, m), entry(v, m),
-                                          entry(out, c.n), no_lse, o);
+        diffattn::reference::attention<T>(entry(q, c.n), entry(k, m), entry(v, m), entry(out, c.n),
+                                          no_lse, o);
     }
   }
 }
@@ -418,7 +423,7 @@ double quant_bound(const Case& c, const Inputs& in, const Quantized<Q>& qz, bool
           verr = std::max(verr, elem_err(in.v(b, j, h, t), qz.c.vs(b, j, h)));
         }
   const double per_map = std::expm1(2 * eps) * vmax + verr + 1e-5 * vmax;  // + float rounding
-  return c.kind == Kind::plain ? per_map : per_map * (1 + 1.0);  // lambda <= 1 here
+  return c.kind == Kind::plain ? per_map : per_map * (1 + 1.0);            // lambda <= 1 here
 }
 
 template <class Q>
@@ -452,7 +457,8 @@ void check_case(const Case& c, std::uint64_t seed) {
     for (index_t b = 0; b < B; ++b)
       for (index_t i = 0; i < c.n; ++i)
         for (index_t h = 0; h < dm.qh; ++h) {
-          for (index_t t = 0; t < c.d; ++t) row[static_cast<std::size_t>(t)] = tau * in.q(b, i, h, t);
+          for (index_t t = 0; t < c.d; ++t)
+            row[static_cast<std::size_t>(t)] = tau * in.q(b, i, h, t);
           const double sq = diffattn::detail::quantize_query_u8(row.data(), c.d, qa.data(), masks);
           for (index_t t = 0; t < c.d; ++t) {
             const bool neg = (masks[t / 64] >> (t % 64)) & 1u;
@@ -507,7 +513,8 @@ void check_case(const Case& c, std::uint64_t seed) {
     Tensor<double, 4> ref_b(os);
     reference<double>(c, test::cast<double>(test::cast<float>(qb)), qz.kd, qz.vd,
                       test::cast<double>(test::cast<float>(lb)), in.lambda, in.seqlens, ref_b, o);
-    REQUIRE(rel_error(out_b, ref_b) <= std::max(2 * naive_err, 2e-5) + (vnni ? 1.0 / 32 : 1.0 / 128));
+    REQUIRE(rel_error(out_b, ref_b) <=
+            std::max(2 * naive_err, 2e-5) + (vnni ? 1.0 / 32 : 1.0 / 128));
   }
 
   // Paged: bitwise the contiguous result.
@@ -560,8 +567,7 @@ TEMPLATE_TEST_CASE("8-bit caches: decoding steps and prefill chunks", "[quant][d
   check_case<Q>({Kind::v2, 1, 16, 8, 64, 66, {66}}, seed++);
 }
 
-TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
-          "[quant][errors]") {
+TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong", "[quant][errors]") {
   const Case c{Kind::v2, 1, 2, 1, 8, 6, {6, 4}};
   const Inputs in = make_inputs(c, 3);
   Quantized<std::int8_t> qz = quantize<std::int8_t>(in.k, in.v);
@@ -571,10 +577,10 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
   cache.cache_seqlens = in.seqlens;
   auto run = [&](const KVCacheBatch& cb) {
     diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in.q, qz.c.k, qz.c.v, in.logit, out,
-                                                           lse, cb, {});
+                                                            lse, cb, {});
   };
-  test::require_error([&] { run(cache); }, {"diff_attention_v2_kvcache", "k_scale", "missing",
-                                            "(2, 6, 1)"});
+  test::require_error([&] { run(cache); },
+                      {"diff_attention_v2_kvcache", "k_scale", "missing", "(2, 6, 1)"});
   cache.k_scale = qz.c.ks;
   test::require_error([&] { run(cache); }, {"v_scale", "missing"});
   Tensor<float, 3> wrong({2, 5, 1});
@@ -583,8 +589,8 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
   cache.v_scale = qz.c.vs;
   run(cache);  // fine
   // A negative, NaN or infinite scale among the rows read; not among the rest.
-  for (float bad : {-1.0f, std::numeric_limits<float>::quiet_NaN(),
-                    std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {-1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     Tensor<float, 3> vs = qz.c.vs;
     vs(1, 2, 0) = bad;
     cache.v_scale = vs;
@@ -617,8 +623,8 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
       cb.v_scale = vs;
       test::require_error(
           [&] {
-            diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in8.q, q8.c.k, q8.c.v, in8.logit,
-                                                                   out8, {}, cb, {});
+            diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in8.q, q8.c.k, q8.c.v,
+                                                                    in8.logit, out8, {}, cb, {});
           },
           {which ? "v_scale" : "k_scale", "key 21", "head 5"});
     }
@@ -634,7 +640,7 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
     test::require_error(
         [&] {
           diffattn::diff_attention_v2_kvcache<float, float8_e4m3>(in.q, qe.c.k, qe.c.v, in.logit,
-                                                                 out, lse, ce, {});
+                                                                  out, lse, ce, {});
         },
         {"k_scale", "256"});
   }
@@ -666,11 +672,12 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong",
     pb.block_table = pc.table;
     pb.k_scale = pc.ks;
     pb.v_scale = qz.c.vs;  // the contiguous scales: not the pool's shape
-    test::require_error([&] {
-      diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in.q, pc.k, pc.v, in.logit, out,
-                                                             lse, pb, {});
-    },
-                        {"v_scale", "(2, 6, 1)", "num_blocks, block_size", "(6, 4, 1)"});
+    test::require_error(
+        [&] {
+          diffattn::diff_attention_v2_kvcache<float, std::int8_t>(in.q, pc.k, pc.v, in.logit, out,
+                                                                  lse, pb, {});
+        },
+        {"v_scale", "(2, 6, 1)", "num_blocks, block_size", "(6, 4, 1)"});
   }
 }
 
@@ -734,6 +741,81 @@ TEMPLATE_TEST_CASE("layers decode from 8-bit caches within the bound of the floa
     const double err = layer_error<decltype(layer), Q>(layer, x, 6);
     INFO("V1 " << qname<Q>() << " relative error " << err);
     REQUIRE(err <= tol);
+  }
+}
+
+namespace {
+
+/// Prefill then token by token through `layer` (any T) with a cache of Q:
+/// the outputs, widened to float.
+template <class Q, class Layer>
+Tensor<float, 3> decoded(Layer& layer, const Tensor<typename Layer::value_type, 3>& x,
+                         index_t prefill) {
+  using T = typename Layer::value_type;
+  const index_t B = x.shape(0), N = x.shape(1), E = x.shape(2);
+  auto cache = layer.template make_cache<Q>(B, N);
+  Tensor<float, 3> y({B, N, E});
+  for (index_t r = 0; r < N;) {
+    const index_t n = r == 0 ? prefill : 1;
+    const TensorView<const T, 3> xr(x.data() + r * E, {B, n, E}, {N * E, E, 1});
+    const Tensor<T, 3> yr = layer.forward(xr, cache);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t i = 0; i < n; ++i)
+        for (index_t e = 0; e < E; ++e) y(b, r + i, e) = static_cast<float>(yr(b, i, e));
+    r += n;
+  }
+  REQUIRE(cache.size() == N);
+  return y;
+}
+
+/// A bfloat16 twin of `layer` decoding from a cache of Q (its bfloat16
+/// queries over the 8-bit rows: kvcache<bfloat16, Q>), against the float
+/// layer's whole-sequence forward: within tol (the float layer's 8-bit
+/// tolerance above) plus twice e_b, the bfloat16 layer's own error on the
+/// whole sequence (test_layers_half bounds it): the cache's quantization and
+/// the layer's roundings, each counted once, and e_b again for the decoding
+/// kernels (float arithmetic on the widened rows) against the tiled bf16 one.
+template <class Q, template <class> class Layer>
+void check_bf16_layer(Layer<float>& layer, const Tensor<float, 3>& x, index_t prefill, double tol) {
+  using diffattn::bfloat16;
+  Layer<bfloat16> narrow(layer);
+  const Tensor<bfloat16, 3> xb = test::cast<bfloat16>(x);
+  const Tensor<float, 3> xf = test::cast<float>(xb);  // the same tokens, exactly
+  const Tensor<float, 3> full = layer.forward(xf);
+  const double e_b = rel_error(test::cast<float>(narrow.forward(xb)), full);
+  const double err = rel_error(decoded<Q>(narrow, xb, prefill), full);
+  INFO(qname<Q>() << ": bfloat16 layer decoding " << err << ", its whole-sequence error " << e_b
+                  << ", bound " << tol + 2 * e_b);
+  CHECK(e_b > 0);
+  REQUIRE(err <= tol + 2 * e_b);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("bfloat16 layers decode from 8-bit caches", "[quant][kv_cache][half]",
+                   std::int8_t, float8_e4m3) {
+  using Q = TestType;
+  const double tol = std::is_same<Q, std::int8_t>::value ? 1e-2 : 6e-2;  // as above
+  const Tensor<float, 3> x = random_tensor<float, 3>({2, 40, 64}, 22);
+  {
+    diffattn::DiffAttnV2Config cfg;
+    cfg.embed_dim = 64;
+    cfg.num_heads = 2;
+    cfg.num_kv_heads = 2;
+    cfg.head_dim = 16;
+    cfg.causal = true;
+    diffattn::MultiheadDiffAttnV2<float> layer(cfg, 5);
+    check_bf16_layer<Q>(layer, x, 9, tol);
+  }
+  {
+    diffattn::DiffAttnV1Config cfg;
+    cfg.embed_dim = 64;
+    cfg.num_heads = 2;
+    cfg.num_kv_heads = 1;
+    cfg.depth = 2;
+    cfg.causal = true;
+    diffattn::MultiheadDiffAttnV1<float> layer(cfg, 6);
+    check_bf16_layer<Q>(layer, x, 6, tol);
   }
 }
 
