@@ -358,17 +358,11 @@ class MultiheadDiffAttnV1 : public detail::ModuleBase<MultiheadDiffAttnV1<T>, T>
   // once, after rotary).
   void project(Saved& s, index_t position_offset, const std::vector<index_t>* cu) const {
     const TensorView<const T, 3> x = s.in;
-    const index_t b = x.shape(0), n = x.shape(1), rows = b * n, e = cfg_.embed_dim;
+    const index_t b = x.shape(0), n = x.shape(1);
     s.q = Tensor<A, 4>({b, n, 2 * cfg_.num_heads, d_});
     s.k = Tensor<A, 4>({b, n, 2 * cfg_.num_kv_heads, d_});
     s.v = Tensor<A, 4>({b, n, cfg_.num_kv_heads, 2 * d_});
-    const double base = cfg_.rope_base;
-    detail::module_project<C>(x.data(), rows, e, q_proj_.data(), s.q, cfg_.rope, position_offset,
-                              cu, base, num_threads_);
-    detail::module_project<C>(x.data(), rows, e, k_proj_.data(), s.k, cfg_.rope, position_offset,
-                              cu, base, num_threads_);
-    detail::module_project<C>(x.data(), rows, e, v_proj_.data(), s.v, false, 0, nullptr, base,
-                              num_threads_);
+    this->project_qkv(s, position_offset, cu);
     s.lambda = lambda_terms<T>(lambda_q1_, lambda_k1_, lambda_q2_, lambda_k2_, lambda_init_);
   }
 

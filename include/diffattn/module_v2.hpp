@@ -262,13 +262,7 @@ class MultiheadDiffAttnV2 : public detail::ModuleBase<MultiheadDiffAttnV2<T>, T>
     s.k = Tensor<A, 4>({b, n, hkv, hd});
     s.v = Tensor<A, 4>({b, n, hkv, hd});
     s.lambda_logit = Tensor<A, 3>({b, n, h});
-    const double base = cfg_.rope_base;
-    detail::module_project<C>(x.data(), rows, e, q_proj_.data(), s.q, cfg_.rope, position_offset,
-                              cu, base, num_threads_);
-    detail::module_project<C>(x.data(), rows, e, k_proj_.data(), s.k, cfg_.rope, position_offset,
-                              cu, base, num_threads_);
-    detail::module_project<C>(x.data(), rows, e, v_proj_.data(), s.v, false, 0, nullptr, base,
-                              num_threads_);
+    this->project_qkv(s, position_offset, cu);
     detail::module_linear(x.data(), rows, e, lambda_proj_.data(), h, s.lambda_logit.data(),
                           num_threads_);
   }

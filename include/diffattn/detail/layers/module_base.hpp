@@ -423,6 +423,23 @@ class ModuleBase {
     }
   }
 
+  /// s.q, s.k and s.v (shaped by the layer's project) from s.in through
+  /// q_proj_, k_proj_ and v_proj_, q and k rotated at position_offset (or
+  /// per packed sequence, cu) when the layer has rotary: module_project.
+  template <class SavedT>
+  void project_qkv(SavedT& s, index_t position_offset, const std::vector<index_t>* cu) const {
+    const auto& d = derived();
+    const auto& c = d.config();
+    const index_t rows = s.in.shape(0) * s.in.shape(1), e = c.embed_dim;
+    const T* x = s.in.data();
+    module_project<compute_type>(x, rows, e, d.q_proj_.data(), s.q, c.rope, position_offset, cu,
+                                 c.rope_base, num_threads_);
+    module_project<compute_type>(x, rows, e, d.k_proj_.data(), s.k, c.rope, position_offset, cu,
+                                 c.rope_base, num_threads_);
+    module_project<compute_type>(x, rows, e, d.v_proj_.data(), s.v, false, 0, nullptr, c.rope_base,
+                                 num_threads_);
+  }
+
   /// The forward pass; seqs (a packed batch) or position_offset place the
   /// tokens for the rotary embedding. Keeps what backward needs in saved_.
   Tensor<T, 3> run_forward(TensorView<const T, 3> x, index_t position_offset,
