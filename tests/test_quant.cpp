@@ -683,69 +683,6 @@ TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong", 
 
 namespace {
 
-/// Prefill then token by token through a layer with an 8-bit cache, against
-/// the float layer's forward on the whole sequence; returns the error
-/// relative to max |y|.
-template <class Layer, class Q>
-double layer_error(Layer& layer, const Tensor<float, 3>& x, index_t prefill) {
-  const index_t B = x.shape(0), N = x.shape(1), E = x.shape(2);
-  const Tensor<float, 3> full = layer.forward(x);
-  auto cache = layer.template make_cache<Q>(B, N);
-  Tensor<float, 3> y({B, N, E});
-  auto rows = [&](const Tensor<float, 3>& t, index_t r0, index_t n) {
-    return TensorView<float, 3>(const_cast<float*>(t.data()) + r0 * E, {B, n, E}, {N * E, E, 1});
-  };
-  for (index_t r = 0; r < N;) {
-    const index_t n = r == 0 ? prefill : 1;
-    const Tensor<float, 3> yr = layer.forward(rows(x, r, n), cache);
-    for (index_t b = 0; b < B; ++b)
-      for (index_t i = 0; i < n; ++i)
-        for (index_t e = 0; e < E; ++e) y(b, r + i, e) = yr(b, i, e);
-    r += n;
-  }
-  REQUIRE(cache.size() == N);
-  return rel_error(y, full);
-}
-
-}  // namespace
-
-TEMPLATE_TEST_CASE("layers decode from 8-bit caches within the bound of the float forward",
-                   "[quant][kv_cache]", std::int8_t, float8_e4m3) {
-  using Q = TestType;
-  const bool i8 = std::is_same<Q, std::int8_t>::value;
-  // Relative output errors measured here: int8 ~3e-3, e4m3 ~2e-2 (its 2^-4
-  // relative rounding against int8's scale / 2 = max |x| / 254).
-  const double tol = i8 ? 1e-2 : 6e-2;
-  const Tensor<float, 3> x = random_tensor<float, 3>({2, 40, 64}, 21);
-  {
-    diffattn::DiffAttnV2Config cfg;
-    cfg.embed_dim = 64;
-    cfg.num_heads = 2;
-    cfg.num_kv_heads = 2;
-    cfg.head_dim = 16;
-    cfg.causal = true;
-    diffattn::MultiheadDiffAttnV2<float> layer(cfg, 5);
-    const double err = layer_error<decltype(layer), Q>(layer, x, 9);
-    INFO("V2 " << qname<Q>() << " relative error " << err);
-    CHECK(err > 0);
-    REQUIRE(err <= tol);
-  }
-  {
-    diffattn::DiffAttnV1Config cfg;
-    cfg.embed_dim = 64;
-    cfg.num_heads = 2;
-    cfg.num_kv_heads = 1;
-    cfg.depth = 2;
-    cfg.causal = true;
-    diffattn::MultiheadDiffAttnV1<float> layer(cfg, 6);
-    const double err = layer_error<decltype(layer), Q>(layer, x, 6);
-    INFO("V1 " << qname<Q>() << " relative error " << err);
-    REQUIRE(err <= tol);
-  }
-}
-
-namespace {
-
 /// Prefill then token by token through `layer` (any T) with a cache of Q:
 /// the outputs, widened to float.
 template <class Q, class Layer>
@@ -767,6 +704,59 @@ Tensor<float, 3> decoded(Layer& layer, const Tensor<typename Layer::value_type, 
   REQUIRE(cache.size() == N);
   return y;
 }
+
+/// The small layers both 8-bit layer tests decode through (E = 64): V2 with
+/// 2 DIFF heads on 2 kv heads of 16, V1 with 2 DIFF heads on 1 kv pair.
+diffattn::DiffAttnV2Config small_v2() {
+  diffattn::DiffAttnV2Config cfg;
+  cfg.embed_dim = 64;
+  cfg.num_heads = 2;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 16;
+  cfg.causal = true;
+  return cfg;
+}
+diffattn::DiffAttnV1Config small_v1() {
+  diffattn::DiffAttnV1Config cfg;
+  cfg.embed_dim = 64;
+  cfg.num_heads = 2;
+  cfg.num_kv_heads = 1;
+  cfg.depth = 2;
+  cfg.causal = true;
+  return cfg;
+}
+
+/// Relative output errors measured through those layers: int8 ~3e-3, e4m3
+/// ~2e-2 (its 2^-4 relative rounding against int8's scale / 2 =
+/// max |x| / 254).
+template <class Q>
+double layer_tolerance() {
+  return std::is_same<Q, std::int8_t>::value ? 1e-2 : 6e-2;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("layers decode from 8-bit caches within the bound of the float forward",
+                   "[quant][kv_cache]", std::int8_t, float8_e4m3) {
+  using Q = TestType;
+  const double tol = layer_tolerance<Q>();
+  const Tensor<float, 3> x = random_tensor<float, 3>({2, 40, 64}, 21);
+  {
+    diffattn::MultiheadDiffAttnV2<float> layer(small_v2(), 5);
+    const double err = rel_error(decoded<Q>(layer, x, 9), layer.forward(x));
+    INFO("V2 " << qname<Q>() << " relative error " << err);
+    CHECK(err > 0);
+    REQUIRE(err <= tol);
+  }
+  {
+    diffattn::MultiheadDiffAttnV1<float> layer(small_v1(), 6);
+    const double err = rel_error(decoded<Q>(layer, x, 6), layer.forward(x));
+    INFO("V1 " << qname<Q>() << " relative error " << err);
+    REQUIRE(err <= tol);
+  }
+}
+
+namespace {
 
 /// A bfloat16 twin of `layer` decoding from a cache of Q (its bfloat16
 /// queries over the 8-bit rows: kvcache<bfloat16, Q>), against the float
@@ -795,28 +785,11 @@ void check_bf16_layer(Layer<float>& layer, const Tensor<float, 3>& x, index_t pr
 TEMPLATE_TEST_CASE("bfloat16 layers decode from 8-bit caches", "[quant][kv_cache][half]",
                    std::int8_t, float8_e4m3) {
   using Q = TestType;
-  const double tol = std::is_same<Q, std::int8_t>::value ? 1e-2 : 6e-2;  // as above
   const Tensor<float, 3> x = random_tensor<float, 3>({2, 40, 64}, 22);
-  {
-    diffattn::DiffAttnV2Config cfg;
-    cfg.embed_dim = 64;
-    cfg.num_heads = 2;
-    cfg.num_kv_heads = 2;
-    cfg.head_dim = 16;
-    cfg.causal = true;
-    diffattn::MultiheadDiffAttnV2<float> layer(cfg, 5);
-    check_bf16_layer<Q>(layer, x, 9, tol);
-  }
-  {
-    diffattn::DiffAttnV1Config cfg;
-    cfg.embed_dim = 64;
-    cfg.num_heads = 2;
-    cfg.num_kv_heads = 1;
-    cfg.depth = 2;
-    cfg.causal = true;
-    diffattn::MultiheadDiffAttnV1<float> layer(cfg, 6);
-    check_bf16_layer<Q>(layer, x, 6, tol);
-  }
+  diffattn::MultiheadDiffAttnV2<float> v2(small_v2(), 5);
+  check_bf16_layer<Q>(v2, x, 9, layer_tolerance<Q>());
+  diffattn::MultiheadDiffAttnV1<float> v1(small_v1(), 6);
+  check_bf16_layer<Q>(v1, x, 6, layer_tolerance<Q>());
 }
 
 TEST_CASE("an 8-bit layer cache holds scales, counts them and keeps its state on failure",
