@@ -201,20 +201,21 @@ void BM_HalfLayerDecode_V2(benchmark::State& state) {
   set_counters(state, 0, static_cast<double>(weight_bytes + cache.bytes() * M / (M + spare)));
 }
 
-/// A V2 layer's prefill, E = 1024, 16 DIFF heads (32 query heads) on 8 kv
-/// heads of 64, causal, N tokens, B = 1: parameters, x and y all S (the
-/// projections and the attention products of a bfloat16 layer on bf16 dot
-/// products where the build targets AVX512-BF16).
-template <class S>
-void BM_HalfLayerPrefill_V2(benchmark::State& state) {
+/// A layer's prefill, E = 1024, 16 DIFF heads on 8 kv heads, causal, N
+/// tokens, B = 1: parameters, x and y all S (the projections and the
+/// attention products of a bfloat16 layer on bf16 dot products where the
+/// build targets AVX512-BF16). V2: 32 query heads of 64; V1: 32 query heads
+/// of d = 32 on 8 kv pairs, values 2d = 64.
+template <template <class> class Layer, class Config, class S>
+void layer_prefill(benchmark::State& state) {
   const index_t N = state.range(0);
-  diffattn::DiffAttnV2Config cfg;
+  Config cfg;
   cfg.embed_dim = 1024;
   cfg.num_heads = 16;
   cfg.num_kv_heads = 8;
   cfg.causal = true;
-  diffattn::MultiheadDiffAttnV2<float> reference_layer(cfg, 1);
-  diffattn::MultiheadDiffAttnV2<S> layer(reference_layer);
+  Layer<float> reference_layer(cfg, 1);
+  Layer<S> layer(reference_layer);
   layer.set_num_threads(static_cast<int>(state.range(1)));
   Tensor<S, 3> x({1, N, cfg.embed_dim});
   fill_uniform(x, 7);
@@ -224,28 +225,13 @@ void BM_HalfLayerPrefill_V2(benchmark::State& state) {
   }
   set_counters(state, 0, static_cast<double>(2 * x.size() * sizeof(S)));
 }
-
-/// The V1 twin of BM_HalfLayerPrefill_V2: E = 1024, 16 DIFF heads (32 query
-/// heads of d = 32) on 8 kv pairs (values 2d = 64), causal, N tokens, B = 1,
-/// parameters, x and y all S.
+template <class S>
+void BM_HalfLayerPrefill_V2(benchmark::State& state) {
+  layer_prefill<diffattn::MultiheadDiffAttnV2, diffattn::DiffAttnV2Config, S>(state);
+}
 template <class S>
 void BM_HalfLayerPrefill_V1(benchmark::State& state) {
-  const index_t N = state.range(0);
-  diffattn::DiffAttnV1Config cfg;
-  cfg.embed_dim = 1024;
-  cfg.num_heads = 16;
-  cfg.num_kv_heads = 8;
-  cfg.causal = true;
-  diffattn::MultiheadDiffAttnV1<float> reference_layer(cfg, 1);
-  diffattn::MultiheadDiffAttnV1<S> layer(reference_layer);
-  layer.set_num_threads(static_cast<int>(state.range(1)));
-  Tensor<S, 3> x({1, N, cfg.embed_dim});
-  fill_uniform(x, 7);
-  for (auto _ : state) {
-    auto y = layer.forward(x);
-    benchmark::DoNotOptimize(y.data());
-  }
-  set_counters(state, 0, static_cast<double>(2 * x.size() * sizeof(S)));
+  layer_prefill<diffattn::MultiheadDiffAttnV1, diffattn::DiffAttnV1Config, S>(state);
 }
 
 /// Memory of a V2 layer of the benchmark's shape and of its cache of 32k
