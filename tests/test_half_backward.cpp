@@ -350,6 +350,19 @@ void check_elementwise(const char* what, const Tensor<S, 4>& g, const Tensor<dou
   CHECK(bad == 0);
 }
 
+/// check_elementwise for dq, dk and dv of g16 against y, each with e_f
+/// twice the error of `base` (the naive float reference, or the float
+/// kernel) against y, at least 5e-5, and the magnitudes of pd.
+template <class G16, class G, class GB>
+void check_grads_elementwise(const G16& g16, const G& y, const GB& base,
+                             const Problem<double>& pd) {
+  const Magnitudes mag = grad_magnitudes(pd);
+  auto e_f = [&](const auto& b, const auto& r) { return std::max(2 * rel_error(b, r), 5e-5); };
+  check_elementwise("dq", g16.dq, y.dq, mag.q, e_f(base.dq, y.dq));
+  check_elementwise("dk", g16.dk, y.dk, mag.k, e_f(base.dk, y.dk));
+  check_elementwise("dv", g16.dv, y.dv, mag.v, e_f(base.dv, y.dv));
+}
+
 template <class A, class B, std::size_t R>
 bool bitwise_rounded(const Tensor<A, R>& a, const Tensor<B, R>& b) {
   // a == round_A(b), element by element (bit patterns).
@@ -394,11 +407,7 @@ void check_case(const Case& c, std::uint64_t seed) {
     CHECK(err16 <= bound);
   };
   if (bf16_dot<S>()) {  // dS and W rounded: the elementwise bound
-    const Magnitudes mag = grad_magnitudes(pd);
-    auto e_f = [](double naive_err) { return std::max(2 * naive_err, 5e-5); };
-    check_elementwise("dq", g16.dq, ref.dq, mag.q, e_f(rel_error(naive.dq, ref.dq)));
-    check_elementwise("dk", g16.dk, ref.dk, mag.k, e_f(rel_error(naive.dk, ref.dk)));
-    check_elementwise("dv", g16.dv, ref.dv, mag.v, e_f(rel_error(naive.dv, ref.dv)));
+    check_grads_elementwise(g16, ref, naive, pd);
   } else {
     check("dq", rel_error(g16.dq, ref.dq), rel_error(gf.dq, ref.dq), rel_error(naive.dq, ref.dq),
           true);
@@ -455,11 +464,7 @@ void check_modified_case(const Case& c, std::uint64_t seed) {
     CHECK(err16 <= bound);
   };
   if (bf16_dot<S>()) {  // dS and W rounded: the elementwise bound
-    const Magnitudes mag = grad_magnitudes(pd);
-    auto e_f = [](double errf) { return std::max(2 * errf, 5e-5); };
-    check_elementwise("dq", g16.dq, y.dq, mag.q, e_f(rel_error(gf.dq, y.dq)));
-    check_elementwise("dk", g16.dk, y.dk, mag.k, e_f(rel_error(gf.dk, y.dk)));
-    check_elementwise("dv", g16.dv, y.dv, mag.v, e_f(rel_error(gf.dv, y.dv)));
+    check_grads_elementwise(g16, y, gf, pd);
   } else {
     check("dq", rel_error(g16.dq, y.dq), rel_error(gf.dq, y.dq), true);
     check("dk", rel_error(g16.dk, y.dk), rel_error(gf.dk, y.dk), true);
