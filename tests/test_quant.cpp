@@ -567,6 +567,44 @@ TEMPLATE_TEST_CASE("8-bit caches: decoding steps and prefill chunks", "[quant][d
   check_case<Q>({Kind::v2, 1, 16, 8, 64, 66, {66}}, seed++);
 }
 
+TEST_CASE("a decoding step's VNNI query rows round each feature to nearest", "[quant][decode]") {
+  // detail::quantize_query_u8 (vectorised where the build has AVX-512)
+  // against the contract written out here: sq = max |q| / 255, bytes
+  // nearbyint(|q_t| / sq) in float, signs as masks; ties, zero and
+  // non-finite rows included.
+  for (index_t d : {index_t(64), index_t(128), index_t(48)}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      INFO("d " << d << " kind " << kind);
+      Tensor<float, 1> q = random_tensor<float, 1>({d}, 100 + static_cast<std::uint64_t>(kind), 3.0);
+      if (kind == 1) {  // exact ties: (k + 1/2) sq
+        q(0) = 255;
+        for (index_t t = 1; t < d; ++t)
+          q(t) = (t % 2 ? -1.0f : 1.0f) * (static_cast<float>(t % 200) + 0.5f);
+      }
+      if (kind == 2) std::fill(q.data(), q.data() + d, 0.0f), q(3) = -0.0f;
+      if (kind == 3) q(d / 2) = std::numeric_limits<float>::infinity();
+      if (kind == 4) q(d - 1) = std::numeric_limits<float>::quiet_NaN();
+      std::vector<std::uint8_t> qa(static_cast<std::size_t>(d), 7);
+      std::uint64_t masks[2] = {~0ull, ~0ull};
+      const float sq = diffattn::detail::quantize_query_u8(q.data(), d, qa.data(), masks);
+      float amax = 0;
+      for (index_t t = 0; t < d; ++t) amax = std::max(amax, std::abs(q(t)));
+      const float want_sq = amax / 255;
+      REQUIRE(std::memcmp(&sq, &want_sq, sizeof(float)) == 0);
+      for (index_t t = 0; t < d; ++t) {
+        INFO("t " << t << " q " << q(t));
+        const float y = std::nearbyint(std::abs(q(t)) / sq);
+        const std::uint8_t want =
+            sq > 0 ? static_cast<std::uint8_t>(std::min(255.0f, y)) : std::uint8_t(0);
+        CHECK(qa[static_cast<std::size_t>(t)] == want);
+        CHECK(((masks[t / 64] >> (t % 64)) & 1u) == (q(t) < 0 ? 1u : 0u));
+      }
+      for (index_t t = d; t < 64 * ((d + 63) / 64); ++t)
+        CHECK(((masks[t / 64] >> (t % 64)) & 1u) == 0u);
+    }
+  }
+}
+
 TEST_CASE("8-bit caches refuse bad scales and scales where they do not belong", "[quant][errors]") {
   const Case c{Kind::v2, 1, 2, 1, 8, 6, {6, 4}};
   const Inputs in = make_inputs(c, 3);

@@ -553,6 +553,40 @@ bool decode_uses_vnni(index_t d) {
 /// 255 returned (0 for a zero row: then qa is 0). Portable, so that tests can
 /// form the queries the step uses.
 inline float quantize_query_u8(const float* qs, index_t d, std::uint8_t* qa, std::uint64_t* masks) {
+#if defined(__AVX512F__)
+  // The same values 16 features at a time (exact division and rounding to
+  // nearest, as below), for finite rows of whole 64-feature masks.
+  if (d % 64 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (index_t t = 0; t < d; t += 16) {
+      const __m512 x = _mm512_loadu_ps(qs + t);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, _mm512_abs_ps(x));
+    }
+    const float amax = _mm512_reduce_max_ps(m);
+    if (nan == 0 && std::isfinite(amax)) {
+      const float sq = amax / 255;
+      const __m512 div = _mm512_set1_ps(sq > 0 ? sq : 1.0f);
+      const __m512 top = _mm512_set1_ps(sq > 0 ? 255.0f : 0.0f);
+      for (index_t c = 0; c * 64 < d; ++c) {
+        std::uint64_t mask = 0;
+        for (int k = 0; k < 4; ++k) {
+          const index_t t = c * 64 + k * 16;
+          const __m512 x = _mm512_loadu_ps(qs + t);
+          const __m512 y = _mm512_roundscale_ps(_mm512_div_ps(_mm512_abs_ps(x), div),
+                                                _MM_FROUND_CUR_DIRECTION);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qa + t),
+                           _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(y, top))));
+          mask |= static_cast<std::uint64_t>(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ))
+                  << (16 * k);
+        }
+        masks[c] = mask;
+      }
+      return sq;
+    }
+  }
+#endif
   float amax = 0;
   for (index_t t = 0; t < d; ++t) amax = std::max(amax, std::abs(qs[t]));
   const float sq = amax / 255;
@@ -727,7 +761,7 @@ inline index_t vnni_heads_together(index_t rows, index_t DB) {
 }
 
 /// 8-bit caches: the scales of keys [j0, j0 + jn) for `heads` heads, each
-/// times kv_unit<KV>(), transposed to dst[h P + jj] (zero from jn to P), as
+/// times kv_unit<KV>(), transposed to dst[h dstep + jj] (zero from jn to P), as
 /// the step folds them into a block's scores or weights. scales_of(j): key
 /// j's scales, head h at [h hstride]. Returns false if one is not scale_ok.
 ///
@@ -738,7 +772,7 @@ inline index_t vnni_heads_together(index_t rows, index_t DB) {
 template <class KV, index_t P, class ScalesOf>
 EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, index_t jn,
                                       index_t heads, index_t hstride, bool even, index_t kstride,
-                                      float* dst) {
+                                      float* dst, index_t dstep = P) {
 #if defined(EIGEN_VECTORIZE_AVX512)
   if constexpr (P == 16) {
     if (even && jn == P && heads == 8 && hstride == 1 && kstride == 8) {
@@ -779,9 +813,9 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
       const int lo[4] = {0, 1, 4, 5}, hi[4] = {2, 3, 6, 7};
       const __m512 unit = _mm512_set1_ps(kv_unit<KV>());
       for (int c = 0; c < 4; ++c) {
-        _mm512_storeu_ps(dst + (2 * c) * P,
+        _mm512_storeu_ps(dst + (2 * c) * dstep,
                          _mm512_mul_ps(_mm512_permutex2var_ps(v[lo[c]], l3a, v[hi[c]]), unit));
-        _mm512_storeu_ps(dst + (2 * c + 1) * P,
+        _mm512_storeu_ps(dst + (2 * c + 1) * dstep,
                          _mm512_mul_ps(_mm512_permutex2var_ps(v[lo[c]], l3b, v[hi[c]]), unit));
       }
       return ok == 0xFFFF;
@@ -799,7 +833,7 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
         const __m512 y = _mm512_mul_ps(x, unit);
         ok &= _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ) &
               _mm512_cmp_ps_mask(y, big, _CMP_LE_OQ);
-        _mm512_storeu_ps(dst + h * P, y);
+        _mm512_storeu_ps(dst + h * dstep, y);
       }
       return ok == 0xFFFF;
     }
@@ -814,11 +848,32 @@ EIGEN_ALWAYS_INLINE bool block_scales(const ScalesOf& scales_of, index_t j0, ind
     for (index_t h = 0; h < heads; ++h) {
       const float x = sc[h * hstride];
       ok &= scale_ok<KV>(x);
-      dst[h * P + jj] = x * kv_unit<KV>();
+      dst[h * dstep + jj] = x * kv_unit<KV>();
     }
   }
-  for (index_t h = 0; jn < P && h < heads; ++h) std::fill(dst + h * P + jn, dst + h * P + P, 0.0f);
+  for (index_t h = 0; jn < P && h < heads; ++h)
+    std::fill(dst + h * dstep + jn, dst + h * dstep + P, 0.0f);
   return ok;
+}
+
+/// How many blocks ahead of the one it reads a decoding step asks for an
+/// 8-bit cache's scales (T0 hint). The scales are a stream of their own, 4
+/// bytes a key and head beside the row's 64 or 128: without the hint the
+/// step stalled on the first load of each block's scales (perf: about a
+/// tenth of an int8 V2 step at M = 128k on Zen 5).
+constexpr index_t kScaleAheadBlocks = 4;
+
+/// Asks for the scales of keys [j, j + jn) (their first `row` floats each,
+/// rows kstride apart where `even`, else key by key).
+template <int Locality = 3, class ScalesOf>
+EIGEN_ALWAYS_INLINE void prefetch_scales(const ScalesOf& scales_of, index_t j, index_t jn,
+                                         index_t row, bool even, index_t kstride) {
+  if (jn <= 0) return;
+  if (even) {
+    prefetch_row<Locality>(scales_of(j), (jn - 1) * kstride + row);
+  } else {
+    for (index_t jj = 0; jj < jn; ++jj) prefetch_row<Locality>(scales_of(j + jj), row);
+  }
 }
 
 /// States of every query row of sequence sq over the keys [lo, hi): o (rows,
@@ -943,16 +998,24 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   (void)even_rows;
   if constexpr (quant) {
     ksc = ws.k[0].get(nkh * P);
-    vsc = ws.k[1].get(dl.groups * P);
+    vsc = ws.k[1].get(dl.groups * lds);
     ws.packed_call = 0;
   }
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
-    if constexpr (quant)
-      scales_ok &=
-          block_scales<KV, P>([&](index_t j) { return p.key_scales(sq, j); }, j0, jn, nkh,
-                              p.k_scale.stride(2), even_rows(j0, jn), p.k_scale.stride(1), ksc);
+    if constexpr (quant) {
+      const auto scales_of = [&](index_t j) { return p.key_scales(sq, j); };
+      const index_t ja = j0 + kScaleAheadBlocks * P, jan = std::min<index_t>(P, jhi - ja);
+      prefetch_scales(scales_of, ja, jan, (nkh - 1) * p.k_scale.stride(2) + 1, even_rows(ja, jan),
+                      p.k_scale.stride(1));
+      scales_ok &= block_scales<KV, P>(scales_of, j0, jn, nkh, p.k_scale.stride(2),
+                                       even_rows(j0, jn), p.k_scale.stride(1), ksc);
+      // The block's value scales, read after the key pass (into L2).
+      prefetch_scales<2>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn,
+                         (dl.groups - 1) * p.v_scale.stride(2) + 1, even_rows(j0, jn),
+                         p.v_scale.stride(1));
+    }
     index_t hk0 = 0;  // key heads [0, hk0) read kg at a time
     if constexpr (decode_vnni_keys<T, KV>) {
       if (vnni) {
@@ -1014,7 +1077,19 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
     }
   }
 
-  // Exact softmax per row over its keys of the chunk, normalised in place.
+  // 8-bit caches: the chunk's value scales, (groups, lds), each row's weights
+  // times its value head's scales as they are normalised.
+  if constexpr (quant) {
+    for (index_t j0 = jlo; j0 < jhi; j0 += P) {
+      const index_t jn = std::min<index_t>(P, jhi - j0);
+      scales_ok &= block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn,
+                                       dl.groups, p.v_scale.stride(2), even_rows(j0, jn),
+                                       p.v_scale.stride(1), vsc + (j0 - jlo), lds);
+    }
+  }
+
+  // Exact softmax per row over its keys of the chunk, normalised in place
+  // (8-bit caches: and times the value scales).
   // Meanwhile the first kValueWarmBytes of the chunk's value rows are asked
   // for (T1 hint), a few rows per score row, so that the memory does not idle
   // while the exps run and the V pass starts on rows already on their way.
@@ -1039,7 +1114,12 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
         has_visible<Mod>::value ? exp_row_masked(w, cnt) : exp_row(w, cnt, false);
     lse[r] = cnt > 0 ? row_lse(st) : -std::numeric_limits<C>::infinity();
     const C c = st.sum > C(0) ? C(1) / st.sum : C(0);
-    ArrayMap(w, cnt) *= c;
+    if constexpr (quant) {
+      const float* f = vsc + (r / (dl.per_group * n)) * lds + (rb[ii] - jlo);
+      ArrayMap(w, cnt) = ArrayMap(w, cnt) * c * Eigen::Map<const Eigen::ArrayXf>(f, cnt);
+    } else {
+      ArrayMap(w, cnt) *= c;
+    }
   }
 
   // o = W V, block of value rows after block; a row's keys outside its range
@@ -1052,19 +1132,6 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
     block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
-    if constexpr (quant) {
-      // Each row's weights of the block times its value head's scales.
-      scales_ok &=
-          block_scales<KV, P>([&](index_t j) { return p.value_scales(sq, j); }, j0, jn, dl.groups,
-                              p.v_scale.stride(2), even_rows(j0, jn), p.v_scale.stride(1), vsc);
-      using Block = Eigen::Map<Eigen::Array<C, P, 1>>;
-      using ConstBlock = Eigen::Map<const Eigen::Array<C, P, 1>>;
-      for (index_t g = 0; g < dl.groups; ++g) {
-        const ConstBlock f(vsc + g * P);
-        for (index_t r = g * dl.per_group * n; r < (g + 1) * dl.per_group * n; ++r)
-          Block(s + r * lds + (j0 - jlo)) *= f;
-      }
-    }
     index_t g0 = 0;  // kv groups [0, g0) read vg at a time
     for (; vg > 1 && g0 + vg <= dl.groups; g0 += vg)
       for (index_t ii = 0; ii < n; ++ii) {
