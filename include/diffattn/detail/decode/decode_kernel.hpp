@@ -134,11 +134,21 @@ EIGEN_ALWAYS_INLINE void dots_heads(const S* const* krows, const S* const* pre, 
     for (int gi = 0; gi < G; ++gi) {
       Packet acc[R];
       const S* kh = in_register(k + gi * kstep);
-      const Packet k0 = pload_widened<Packet>(kh);
-      for (int i = 0; i < R; ++i) acc[i] = pmul(qv[gi][i][0], k0);
-      for (int t = 1; t < DP; ++t) {
-        const Packet kp = pload_widened<Packet>(kh + t * P);
-        for (int i = 0; i < R; ++i) acc[i] = pmadd(qv[gi][i][t], kp, acc[i]);
+      if constexpr (widen_pairs_v<P, S> && DP % 2 == 0) {
+        for (int t = 0; t < DP; t += 2) {
+          Packet k0, k1;
+          pload_widened_pair(kh + t * P, k0, k1);
+          for (int i = 0; i < R; ++i)
+            acc[i] = t == 0 ? pmul(qv[gi][i][0], k0) : pmadd(qv[gi][i][t], k0, acc[i]);
+          for (int i = 0; i < R; ++i) acc[i] = pmadd(qv[gi][i][t + 1], k1, acc[i]);
+        }
+      } else {
+        const Packet k0 = pload_widened<Packet>(kh);
+        for (int i = 0; i < R; ++i) acc[i] = pmul(qv[gi][i][0], k0);
+        for (int t = 1; t < DP; ++t) {
+          const Packet kp = pload_widened<Packet>(kh + t * P);
+          for (int i = 0; i < R; ++i) acc[i] = pmadd(qv[gi][i][t], kp, acc[i]);
+        }
       }
       for (int i = 0; i < R; ++i) pstoreu(part + gi * pgstep + i * pstep + u * P, acc[i]);
     }
@@ -312,7 +322,11 @@ EIGEN_ALWAYS_INLINE void axpy_heads(const S* const* vrows, const S* const* pre, 
       for (int gi = 0; gi < G; ++gi) {
         Packet vp[NP];
         const S* vh = in_register(v + gi * vstep);
-        for (int c = 0; c < NP; ++c) vp[c] = pload_widened<Packet>(vh + c * P);
+        if constexpr (widen_pairs_v<P, S> && NP % 2 == 0) {
+          for (int c = 0; c < NP; c += 2) pload_widened_pair(vh + c * P, vp[c], vp[c + 1]);
+        } else {
+          for (int c = 0; c < NP; ++c) vp[c] = pload_widened<Packet>(vh + c * P);
+        }
         for (int i = 0; i < R; ++i) {
           const Packet wp = pset1<Packet>(w[gi * wgstep + i * wstep + u]);
           for (int c = 0; c < NP; ++c) acc[gi][i][c] = pmadd(wp, vp[c], acc[gi][i][c]);

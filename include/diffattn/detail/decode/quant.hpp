@@ -113,6 +113,35 @@ EIGEN_ALWAYS_INLINE Packet pload_widened_8bit(const S* p) {
   }
 }
 
+/// Whether pload_widened_pair widens two packets of S at p in fewer
+/// instructions than two pload_widened: float8_e4m3 with AVX512-BW, whose 32
+/// bytes are sign-extended, shifted and masked as one vector before the two
+/// F16C conversions.
+template <int P, class S>
+constexpr bool widen_pairs_v =
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
+    P == 16 && std::is_same<std::remove_cv_t<S>, float8_e4m3>::value;
+#else
+    false;
+#endif
+
+/// The packets of p[0, P) and p[P, 2 P), in units, as two pload_widened_8bit
+/// (widen_pairs_v only).
+template <class Packet, class S>
+EIGEN_ALWAYS_INLINE void pload_widened_pair(const S* p, Packet& lo, Packet& hi) {
+  static_assert(widen_pairs_v<Eigen::internal::unpacket_traits<Packet>::size, S>,
+                "pload_widened_pair: use pload_widened");
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h =
+      _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+#else
+  (void)p, (void)lo, (void)hi;
+#endif
+}
+
 /// An 8-bit row as the packing functions (gemm.hpp) read it: element t is
 /// factor * units(p[t]), factor = the row's scale times kv_unit<S>().
 template <class S>
