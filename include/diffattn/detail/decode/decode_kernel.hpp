@@ -515,15 +515,26 @@ inline index_t decode_ahead_rows(index_t row_bytes) {
 }
 
 /// The rows of keys [j0, j0 + jn) into rows (row_of(j): key j's row, all its
-/// heads), and the rows `ahead` keys on into pre (nullptr from jhi on).
-template <class S, class RowOf>
-EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, index_t j0, index_t jn, index_t jhi,
-                                    index_t ahead, const S** rows, const S** pre) {
-  for (index_t jj = 0; jj < jn; ++jj) {
-    const index_t j = j0 + jj;
-    rows[jj] = row_of(j);
-    pre[jj] = j + ahead < jhi ? row_of(j + ahead) : nullptr;
-  }
+/// heads), and the rows `ahead` keys on into pre (nullptr from jhi on). Where
+/// even(a, n) says keys [a, a + n) lie `stride` elements apart (a contiguous
+/// cache, or one block of a paged one), one row_of and additions.
+template <class S, class RowOf, class Even>
+EIGEN_ALWAYS_INLINE void block_rows(const RowOf& row_of, const Even& even, index_t stride,
+                                    index_t j0, index_t jn, index_t jhi, index_t ahead,
+                                    const S** rows, const S** pre) {
+  const auto fill = [&](index_t a, index_t n, const S** dst) {
+    if (n <= 0) return;
+    if (even(a, n)) {
+      const S* r = row_of(a);
+      for (index_t jj = 0; jj < n; ++jj) dst[jj] = r + jj * stride;
+    } else {
+      for (index_t jj = 0; jj < n; ++jj) dst[jj] = row_of(a + jj);
+    }
+  };
+  fill(j0, jn, rows);
+  const index_t pn = std::max<index_t>(0, std::min(jn, jhi - (j0 + ahead)));
+  fill(j0 + ahead, pn, pre);
+  for (index_t jj = pn; jj < jn; ++jj) pre[jj] = nullptr;
 }
 
 /// True when an int8 cache's key products run on VNNI integer dot products
@@ -1017,7 +1028,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   }
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, j0, jn, jhi, kahead, rows, pre);
+    block_rows([&](index_t j) { return p.key_row(sq, j, 0); }, even_rows, p.k.stride(1), j0, jn,
+               jhi, kahead, rows, pre);
     if constexpr (quant) {
       const auto scales_of = [&](index_t j) { return p.key_scales(sq, j); };
       const index_t ja = j0 + kScaleAheadBlocks * P, jan = std::min<index_t>(P, jhi - ja);
@@ -1145,7 +1157,8 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
   const index_t vahead = decode_ahead_rows(vrow_bytes);
   for (index_t j0 = jlo; j0 < jhi; j0 += P) {
     const index_t jn = std::min<index_t>(P, jhi - j0);
-    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, j0, jn, jhi, vahead, rows, pre);
+    block_rows([&](index_t j) { return p.value_row(sq, j, 0); }, even_rows, p.v.stride(1), j0, jn,
+               jhi, vahead, rows, pre);
     index_t g0 = 0;  // kv groups [0, g0) read vg at a time
     for (; vg > 1 && g0 + vg <= dl.groups; g0 += vg)
       for (index_t ii = 0; ii < n; ++ii) {
