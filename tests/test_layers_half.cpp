@@ -436,7 +436,10 @@ void forward_cases() {
 /// chunk's y is held to the derived bound of the forward (bf16_bound) against
 /// the float64 twin on the whole sequence, element by element; so is the
 /// forward over a float cache (make_cache<float>: the bfloat16 keys widened,
-/// the float kernel on the queries widened).
+/// the float kernel on the queries widened), and over a half cache
+/// (make_cache<half>: a bfloat16 key or value is a half exactly, but for
+/// magnitudes below half's normal range, 2^-14, where half keeps it to within
+/// 2^-25: far inside the bound's float terms).
 template <template <class> class Layer, class S>
 Layer<float> float_twin(const Layer<S>& m) {
   return Layer<float>(m);
@@ -456,7 +459,9 @@ double check_cached_bf16(Layer& m, const std::vector<index_t>& chunks, std::uint
   auto cache = m.make_cache(b, total + 3);
   static_assert(std::is_same<decltype(cache), diffattn::KVCache<S>>::value, "a cache of S");
   auto cache_f = m.template make_cache<float>(b, total + 3);
+  auto cache_h = m.template make_cache<half>(b, total + 3);
   REQUIRE(cache.bytes() * 2 == cache_f.bytes());
+  REQUIRE(cache.bytes() == cache_h.bytes());
   auto md = double_twin(m);
   const Tensor<double, 3> xd = cast<double>(x);
   const double e_f = rel_error(float_twin(m).forward(cast<float>(x)), md.forward(xd));
@@ -468,13 +473,16 @@ double check_cached_bf16(Layer& m, const std::vector<index_t>& chunks, std::uint
     INFO("bfloat16 layer, chunk of " << c << " at " << a);
     const double r = bound_ratio(m.forward(tokens(x, a, c), cache), bound, a);
     const double rf = bound_ratio(m.forward(tokens(x, a, c), cache_f), bound, a);
-    INFO("ratio to the bound " << r << ", float cache " << rf);
+    const double rh = bound_ratio(m.forward(tokens(x, a, c), cache_h), bound, a);
+    INFO("ratio to the bound " << r << ", float cache " << rf << ", half cache " << rh);
     CHECK(r <= 1);
     CHECK(rf <= 1);
-    worst = std::max({worst, r, rf});
+    CHECK(rh <= 1);
+    worst = std::max({worst, r, rf, rh});
     a += c;
     CHECK(cache.size() == a);
     CHECK(cache_f.size() == a);
+    CHECK(cache_h.size() == a);
   }
   CHECK(worst > 0);
   return worst;
