@@ -36,8 +36,8 @@ namespace detail {
 /// relative error with its constant term 1, so that exp(0) = 1 exactly, and
 /// the rounding of its five FMAs; tests/test_half.cpp). Below -104
 /// (-inf included) the result is 0 (exp underflows float there); NaN stays
-/// NaN. On Zen 5 the bf16 forward of V2 ran 5% faster than with the degree-7
-/// polynomial (bench_half, N = 2048, 2 threads).
+/// NaN. On Zen 5 the bf16 forwards ran 2-5% faster than with the degree-7
+/// polynomial (bench_half, N = 2048, 2 threads, best of 20 runs each).
 EIGEN_ALWAYS_INLINE __m512 exp_scalef(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // a NaN x is the result (second operand)
   const __m512 log2e_hi = _mm512_set1_ps(1.44269502162933349609375f);
