@@ -1,6 +1,7 @@
 // Compiled to assembly only (tests/CMakeLists.txt, -S) and searched by
 // check_prefetch.cmake: the decoding step must still contain its prefetches
-// (prefetchnta, detail::prefetch_row<0>). Under GCC 12 at -O3 they were once
+// (detail::prefetch_decode: prefetchnta on AMD processors, prefetcht1
+// elsewhere, both in the code since the vendor is read at run time). Under GCC 12 at -O3 they were once
 // gone without any test failing: prefetch_row was left out of line, and the
 // interprocedural mod/ref analysis, finding the call free of side effects,
 // deleted it, so the step ran without prefetch (on Zen 5, V2's step 1.16x and

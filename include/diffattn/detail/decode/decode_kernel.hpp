@@ -39,6 +39,38 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// Whether the decoding step's prefetches ahead of its reads take the
+/// non-temporal hint (prefetchnta, on AMD processors) or T1 (prefetcht1, into
+/// L2, elsewhere), read once at start-up from the CPU's vendor.
+///
+/// The step reads each K and V row once, and its rows are strided (see
+/// kDecodeAheadBytes), so it asks for them itself. On Zen 5 the non-temporal
+/// hint made V2 and the GQA steps 1.07-1.12x as fast as T0 (T1 did worse).
+/// On an Intel Xeon of the Sapphire Rapids class (Emerald Rapids, 2 cores,
+/// M = 32k, bench/ab) it made them 2.3-2.5x slower than T1: there
+/// prefetchnta's lines bypass L2, and the step read 0.34-0.50 of the read
+/// probe with it against 0.85-0.90 with T1 (T0 and T2 read about as T1, no
+/// prefetch 0.7). Only where the step prefetches: a wrong guess costs speed,
+/// never a result.
+inline const bool kDecodePrefetchNta = [] {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+#else
+  return true;
+#endif
+}();
+
+/// prefetch_row with the decoding step's hint (kDecodePrefetchNta).
+template <class T>
+EIGEN_ALWAYS_INLINE void prefetch_decode(const T* p, index_t width) {
+  if (kDecodePrefetchNta)
+    prefetch_row<0>(p, width);
+  else
+    prefetch_row<2>(p, width);
+}
+
+
 /// p, computed into a register of its own (AVX-512 builds), so that the loads
 /// and prefetches of a head address it with constant displacements. Without
 /// it GCC 12 kept one offset per cache line of the heads read together, ran
@@ -130,7 +162,7 @@ EIGEN_ALWAYS_INLINE void dots_heads(const S* const* krows, const S* const* pre, 
     const S* k = krows[u] + off;
     if (pre && pre[u])
       for (int gi = 0; gi < G; ++gi)
-        prefetch_row<0>(in_register(pre[u] + off + gi * kstep), DP * P);
+        prefetch_decode(in_register(pre[u] + off + gi * kstep), DP * P);
     for (int gi = 0; gi < G; ++gi) {
       Packet acc[R];
       const S* kh = in_register(k + gi * kstep);
@@ -176,7 +208,7 @@ EIGEN_ALWAYS_INLINE void partial_dots_n(const S* const* krows, const S* const* p
   } else {
     for (index_t u = 0; u < U; ++u) {
       const S* k = krows[u] + off;
-      if (pre && pre[u]) prefetch_row<0>(pre[u] + off, dp);
+      if (pre && pre[u]) prefetch_decode(pre[u] + off, dp);
       Packet acc[R];
       for (int i = 0; i < R; ++i) acc[i] = pset1<Packet>(C(0));
       for (index_t t = 0; t < dp; t += P) {
@@ -318,7 +350,7 @@ EIGEN_ALWAYS_INLINE void axpy_heads(const S* const* vrows, const S* const* pre, 
       const S* v = vrows[u] + off + t;
       if (pre && pre[u])
         for (int gi = 0; gi < G; ++gi)
-          prefetch_row<0>(in_register(pre[u] + off + gi * vstep + t), NP * P);
+          prefetch_decode(in_register(pre[u] + off + gi * vstep + t), NP * P);
       for (int gi = 0; gi < G; ++gi) {
         Packet vp[NP];
         const S* vh = in_register(v + gi * vstep);
@@ -690,7 +722,7 @@ EIGEN_DONT_INLINE void scores_vnni(const std::int8_t* const* krows, const std::i
       const std::int8_t* k = krows[u] + off;
       if (pre && pre[u])
         for (int gi = 0; gi < G; ++gi)
-          prefetch_row<0>(in_register(pre[u] + off + gi * kstep), DB * 64);
+          prefetch_decode(in_register(pre[u] + off + gi * kstep), DB * 64);
       for (int gi = 0; gi < G; ++gi) {
         const std::int8_t* kh = in_register(k + gi * kstep);
         __m512i kv[DB];
