@@ -33,6 +33,45 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python", "tests"))
 
 
+# OpenBLAS's names of the cores whose kernels use AVX2 or AVX-512.
+AVX2_CORES = {"Haswell", "SkylakeX", "Cooperlake", "SapphireRapids", "Zen", "Excavator"}
+
+
+def cpu_flags():
+    """The CPU's feature flags (/proc/cpuinfo), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def openblas_core():
+    """The kernels OpenBLAS chose for this CPU (openblas_get_corename), if torch's BLAS
+    is OpenBLAS and it is loaded; None otherwise."""
+    import ctypes
+    import torch
+    torch.mm(torch.ones(2, 2), torch.ones(2, 2))  # loads the BLAS
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if "openblas" not in path and "libblas.so" not in path:
+            continue
+        try:
+            name = ctypes.CDLL(path).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        name.restype = ctypes.c_char_p
+        return name().decode()
+    return None
+
+
 def make_step(case, impl, n, threads):
     """One forward + backward of `case` by `impl` ("diffattn" or "eager")."""
     import torch
@@ -179,6 +218,16 @@ def main():
     print(f"diffattn {diffattn.__version__} ({diffattn.isa()}), torch {torch.__version__}, "
           f"{a.threads} threads, forward + backward, medians of {a.reps}"
           + (", glibc keeping freed memory" if a.keep_memory else ""))
+    blas = openblas_core()
+    if blas:
+        print(f"torch's BLAS: OpenBLAS, {blas} kernels"
+              + (f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
+                 if "OPENBLAS_CORETYPE" in os.environ else ""))
+        if blas not in AVX2_CORES and "avx2" in cpu_flags():
+            print(f"warning: OpenBLAS does not know this CPU and multiplies with its {blas} "
+                  "kernels, without AVX2: the eager math and the layers' projections run "
+                  "slower than they could; set OPENBLAS_CORETYPE (SkylakeX where the CPU has "
+                  "AVX-512, else Haswell) for a fair comparison")
     rows = []
     if a.breakdown:
         for case in ("v2_kernel", "v1_layer"):
