@@ -27,7 +27,13 @@ DIFFATTN_BEGIN_NAMESPACE
 /// environment variable `DIFFATTN_ISA=<name>` forces a variant, and a variant
 /// the CPU lacks, or a name not compiled in, is refused with diffattn::error
 /// at that call. Every translation unit of a program that includes diffattn
-/// must agree on DIFFATTN_DISPATCH (the target sets it for all of them). Not
+/// must agree on DIFFATTN_DISPATCH (the target sets it for all of them). One
+/// exception to the single variant: where the selection without DIFFATTN_ISA
+/// is "avx512bf16" and a probe (about 1 ms, at the first such call) finds
+/// that this CPU's bf16 dot products (`vdpbf16ps`) do fewer flops a second
+/// than its float FMAs, as on Intel's Sapphire Rapids class, the kernels whose
+/// q and k are bfloat16 (the bfloat16 forward and backward) run the "avx512"
+/// variant, which widens bfloat16 to float; isa() still names "avx512bf16". Not
 /// dispatched: the analysis kernels (analysis.hpp), the layers' projections,
 /// rotary embedding and normalisation, which compile with the program's flags.
 /// @{

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <diffattn/detail/kernel/dispatch.hpp>
@@ -18,6 +19,13 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define DIFFATTN_DISPATCH_X86 1
+#if defined(__GNUC__) || defined(__clang__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#define DIFFATTN_DISPATCH_BF16_PROBE 1
+#endif
 #endif
 
 // The variants compiled in, from the least to the most capable:
@@ -152,6 +160,88 @@ const Variant& selected() {
   return v;
 }
 
+#ifdef DIFFATTN_DISPATCH_BF16_PROBE
+constexpr int kProbeChains = 12;  // independent accumulators, as bench's peak probes
+constexpr long kProbeRounds = 20000;
+
+/// Seconds for kProbeRounds rounds of kProbeChains zmm vdpbf16ps (64 flops each).
+__attribute__((target("avx512f,avx512bf16"))) double bf16_dot_seconds() {
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0x1p-20f), _mm512_set1_ps(0x1p-20f));
+  __m512 c[kProbeChains];
+  for (auto& x : c) x = _mm512_set1_ps(0.5f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < kProbeRounds; ++i)
+    for (auto& x : c) x = _mm512_dpbf16_ps(x, a, b);
+  __m512 s = c[0];
+  for (int j = 1; j < kProbeChains; ++j) s = _mm512_add_ps(s, c[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Seconds for kProbeRounds rounds of kProbeChains zmm FMAs (32 flops each).
+__attribute__((target("avx512f,fma"))) double fma_seconds() {
+  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0x1p-20f);
+  __m512 c[kProbeChains];
+  for (auto& x : c) x = _mm512_set1_ps(0.5f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < kProbeRounds; ++i)
+    for (auto& x : c) x = _mm512_fmadd_ps(a, b, x);
+  __m512 s = c[0];
+  for (int j = 1; j < kProbeChains; ++j) s = _mm512_add_ps(s, c[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Whether this CPU's bf16 dot products do at least as many flops a second as
+/// its float FMAs (best of 3 alternated runs of each, about 1 ms in all; called
+/// only where AVX512-BF16 runs). Zen 5 ran 12 chains of vdpbf16ps at 1.84x the
+/// flops of 12 chains of FMA; an Intel Xeon of the Sapphire Rapids class
+/// (Emerald Rapids) at 0.46x, where the bf16 kernels ran 0.67-0.78x as fast as
+/// float and the avx512 variant's, which widen bfloat16 to float, faster.
+bool bf16_dot_pays() {
+  double tb = 1e30, tf = 1e30;
+  for (int r = 0; r < 3; ++r) {
+    tb = std::min(tb, bf16_dot_seconds());
+    tf = std::min(tf, fma_seconds());
+  }
+  return 64.0 / tb >= 32.0 / tf;
+}
+#else
+bool bf16_dot_pays() { return true; }
+#endif
+
+/// The variant of the kernels whose q and k are bfloat16 (the forward with
+/// bfloat16 q, k and v, the bfloat16 backward): the selected one, except where
+/// it was selected without DIFFATTN_ISA as avx512bf16 and this CPU's bf16 dot
+/// products are slower than its float FMAs (bf16_dot_pays): then avx512.
+const Variant& selected_bf16() {
+  static const Variant& v = []() -> const Variant& {
+    const Variant& s = selected();
+    const char* env = std::getenv("DIFFATTN_ISA");
+    if ((env && *env) || std::strcmp(s.name, "avx512bf16") != 0) return s;
+    for (const Variant& w : kVariants)
+      if (std::strcmp(w.name, "avx512") == 0) return bf16_dot_pays() ? s : w;
+    return s;
+  }();
+  return v;
+}
+
+template <class T, class KV>
+const Variant& variant_for() {
+  if constexpr (std::is_same<T, diffattn::bfloat16>::value &&
+                std::is_same<KV, diffattn::bfloat16>::value)
+    return selected_bf16();
+  else
+    return selected();
+}
+
 }  // namespace
 }  // namespace diffattn_dispatch
 
@@ -161,7 +251,8 @@ namespace detail {
 #define DIFFATTN_DEFINE_FORWARD(T, KV)                                                     \
   void dispatch_attention(const AttentionProblem<T, KV>& p, const AttentionOptions& options) { \
     using namespace diffattn_dispatch;                                                     \
-    reinterpret_cast<ForwardFn<T, KV>>(selected().forward[forward_slot<T, KV>()])(p, options); \
+    reinterpret_cast<ForwardFn<T, KV>>(                                                   \
+        variant_for<T, KV>().forward[forward_slot<T, KV>()])(p, options);                   \
   }
 DIFFATTN_FORWARD_STORAGE(DIFFATTN_DEFINE_FORWARD)
 #undef DIFFATTN_DEFINE_FORWARD
@@ -170,12 +261,16 @@ DIFFATTN_FORWARD_STORAGE(DIFFATTN_DEFINE_FORWARD)
   void dispatch_attention_backward(const BackwardProblem<T>& bp,                             \
                                    const AttentionOptions& options) {                        \
     using namespace diffattn_dispatch;                                                       \
-    reinterpret_cast<BackwardFn<T>>(selected().backward[backward_slot<T>()])(bp, options);   \
+    reinterpret_cast<BackwardFn<T>>(variant_for<T, T>().backward[backward_slot<T>()])(bp, options); \
   }
 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_DEFINE_BACKWARD)
 #undef DIFFATTN_DEFINE_BACKWARD
 
 const char* dispatch_isa() { return diffattn_dispatch::selected().name; }
+
+// Declared where it is tested (tests/dispatch/test_dispatch.cpp): the variant
+// of the kernels with bfloat16 q and k (selected_bf16).
+const char* dispatch_bf16_isa() { return diffattn_dispatch::selected_bf16().name; }
 
 std::vector<std::string_view> dispatch_variants() {
   std::vector<std::string_view> names;

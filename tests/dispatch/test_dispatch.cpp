@@ -129,3 +129,29 @@ TEST_CASE("dispatch: a forward call runs through the selected variant", "[dispat
   INFO("variant " << diffattn::isa());
   CHECK(worst < 1e-13);
 }
+
+// Defined in diffattn::dispatch (src/dispatch/dispatch.cpp) and declared only
+// here: the variant that runs the kernels with bfloat16 q and k.
+DIFFATTN_BEGIN_NAMESPACE
+namespace detail {
+const char* dispatch_bf16_isa();
+}
+DIFFATTN_END_NAMESPACE
+
+TEST_CASE("dispatch: the variant of the bfloat16 kernels", "[dispatch]") {
+  // Without DIFFATTN_ISA (ctest's environment here), the bfloat16 forward and
+  // backward run on the selected variant, or on avx512 where that is
+  // avx512bf16 and this CPU's vdpbf16ps does fewer flops a second than its
+  // FMAs. Which of the two this CPU gets is its probe's call; what else could
+  // happen is checked.
+  const std::string all(diffattn::isa()), bf16(diffattn::detail::dispatch_bf16_isa());
+  if (all != "avx512bf16") {
+    CHECK(bf16 == all);
+  } else {
+    CHECK((bf16 == "avx512bf16" || bf16 == "avx512"));
+    WARN("the bfloat16 kernels run on the " << bf16 << " variant ("
+                                            << (bf16 == "avx512" ? "vdpbf16ps slower than FMA here"
+                                                                 : "vdpbf16ps pays here")
+                                            << ")");
+  }
+}
