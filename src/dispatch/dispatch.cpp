@@ -164,6 +164,19 @@ const Variant& selected() {
 constexpr int kProbeChains = 12;  // independent accumulators, as bench's peak probes
 constexpr long kProbeRounds = 20000;
 
+/// Seconds since t0, after the chains' sum is stored where the compiler must
+/// keep it (so that the timed loop is not removed).
+__attribute__((target("avx512f"))) double seconds_since(
+    std::chrono::steady_clock::time_point t0, const __m512 (&c)[kProbeChains]) {
+  __m512 s = c[0];
+  for (int j = 1; j < kProbeChains; ++j) s = _mm512_add_ps(s, c[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  volatile float sink = lanes[0];
+  (void)sink;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 /// Seconds for kProbeRounds rounds of kProbeChains zmm vdpbf16ps (64 flops each).
 __attribute__((target("avx512f,avx512bf16"))) double bf16_dot_seconds() {
   const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f));
@@ -173,13 +186,7 @@ __attribute__((target("avx512f,avx512bf16"))) double bf16_dot_seconds() {
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < kProbeRounds; ++i)
     for (auto& x : c) x = _mm512_dpbf16_ps(x, a, b);
-  __m512 s = c[0];
-  for (int j = 1; j < kProbeChains; ++j) s = _mm512_add_ps(s, c[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, s);
-  volatile float sink = lanes[0];
-  (void)sink;
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return seconds_since(t0, c);
 }
 
 /// Seconds for kProbeRounds rounds of kProbeChains zmm FMAs (32 flops each).
@@ -190,13 +197,7 @@ __attribute__((target("avx512f,fma"))) double fma_seconds() {
   const auto t0 = std::chrono::steady_clock::now();
   for (long i = 0; i < kProbeRounds; ++i)
     for (auto& x : c) x = _mm512_fmadd_ps(a, b, x);
-  __m512 s = c[0];
-  for (int j = 1; j < kProbeChains; ++j) s = _mm512_add_ps(s, c[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, s);
-  volatile float sink = lanes[0];
-  (void)sink;
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return seconds_since(t0, c);
 }
 
 /// Whether this CPU's bf16 dot products do at least as many flops a second as
