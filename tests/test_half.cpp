@@ -624,13 +624,10 @@ TEST_CASE("bf16 W V: value pairs, rounded weights and the accumulating micro-ker
 #endif
 }
 
-TEST_CASE("exp_scalef: the bf16 kernels' exp against std::exp", "[half][bf16wv]") {
-#if defined(__AVX512F__)
-  namespace dt = diffattn::detail;
-  // 2^n times a polynomial of degree 5 for 2^f (softmax.hpp): within 2^-21
-  // of exp relative where exp(x) is a normal float; below, that and half the
-  // smallest denormal (2^-150, the rounding of the denormal result); 0 under
-  // -104 and for -inf, 1 for -0 and 0, NaN for NaN.
+#if defined(__AVX2__) && defined(__FMA__)
+/// The points the exp tests check: a grid over [-110, 0], random points in
+/// [-20, 0], -inf, -0 and NaN, padded with zeros to a multiple of 16.
+std::vector<float> exp_test_points() {
   std::vector<float> x;
   for (int i = 0; i <= 22000; ++i) x.push_back(-110.0f + 0.005f * static_cast<float>(i));
   diffattn::detail::Rng rng(73600);
@@ -639,12 +636,19 @@ TEST_CASE("exp_scalef: the bf16 kernels' exp against std::exp", "[half][bf16wv]"
   x.push_back(-0.0f);
   x.push_back(std::numeric_limits<float>::quiet_NaN());
   while (x.size() % 16) x.push_back(0.0f);
-  std::vector<float> e(x.size());
-  for (std::size_t i = 0; i < x.size(); i += 16)
-    _mm512_storeu_ps(e.data() + i, dt::exp_scalef(_mm512_loadu_ps(x.data() + i)));
+  return x;
+}
+
+/// e = exp(x) as a kernel's exp computed it: within 2^-bits of exp relative
+/// where exp(x) is a normal float; below, that and `below` (half the smallest
+/// denormal, 2^-150, for a denormal result rounded; 2^-126 where the
+/// function flushes to 0), and never negative; 1 for -0 and 0, 0 for -inf,
+/// NaN for NaN.
+void check_exp_values(const std::vector<float>& x, const std::vector<float>& e, int bits,
+                      double below, const char* name) {
   double worst = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    INFO("x = " << x[i] << " exp_scalef " << e[i]);
+    INFO(name << ": x = " << x[i] << " exp " << e[i]);
     if (std::isnan(x[i])) {
       REQUIRE(std::isnan(e[i]));
       continue;
@@ -652,35 +656,89 @@ TEST_CASE("exp_scalef: the bf16 kernels' exp against std::exp", "[half][bf16wv]"
     const double want = std::exp(static_cast<double>(x[i]));
     if (want >= std::numeric_limits<float>::min()) {
       worst = std::max(worst, std::abs(e[i] - want) / want);
-      REQUIRE(std::abs(e[i] - want) <= std::ldexp(want, -21));
+      REQUIRE(std::abs(e[i] - want) <= std::ldexp(want, -bits));
     } else {
       REQUIRE(e[i] >= 0.0f);
-      REQUIRE(std::abs(e[i] - want) <= std::ldexp(want, -21) + std::ldexp(1.0, -150));
+      REQUIRE(std::abs(e[i] - want) <= std::ldexp(want, -bits) + below);
     }
     if (x[i] == 0.0f) REQUIRE(e[i] == 1.0f);
+    if (std::isinf(x[i])) REQUIRE(e[i] == 0.0f);
   }
   if (std::getenv("DIFFATTN_TEST_REPORT"))
-    std::printf("exp_scalef: largest relative error %.3g (2^-21 = %.3g)\n", worst,
-                std::ldexp(1.0, -21));
-  // exp_shift_sum<float, true>: every length's tail under a mask, the sum of
-  // the row's exponentials (positive terms: within n 2^-24 of the exact sum).
-  for (index_t n = 0; n <= 70; ++n) {
-    std::vector<float> row(static_cast<std::size_t>(n) + 1, 123.0f), ref(row.size());
-    for (index_t j = 0; j < n; ++j)
-      row[static_cast<std::size_t>(j)] = x[static_cast<std::size_t>(j * 7 % 4000) + 22001];
-    ref = row;
-    const float sum = dt::exp_shift_sum<float, true>(row.data(), n, -1.5f);
-    double exact = 0;
-    for (index_t j = 0; j < n; ++j) {
-      const double want = std::exp(static_cast<double>(ref[static_cast<std::size_t>(j)]) + 1.5);
-      REQUIRE(std::abs(row[static_cast<std::size_t>(j)] - want) <= std::ldexp(want, -21));
-      exact += static_cast<double>(row[static_cast<std::size_t>(j)]);
+    std::printf("%s: largest relative error %.3g (2^-%d = %.3g)\n", name, worst, bits,
+                std::ldexp(1.0, -bits));
+}
+#endif
+
+#if defined(__AVX512F__)
+/// exp_scalef<Degree> against std::exp (check_exp_values), 0 under -104. Then
+/// exp_shift_sum<float, Scalef> (the rows of the kernels using that degree):
+/// every length's tail under a mask, the sum of the row's exponentials
+/// (positive terms: within n 2^-24 of the exact sum), and the entries past
+/// the row untouched; and for degree 6, exp_shift_sum_masked, whose -inf
+/// entries become exactly 0.
+template <int Degree, bool Scalef>
+void check_exp_scalef(int bits) {
+  namespace dt = diffattn::detail;
+  const std::vector<float> x = exp_test_points();
+  std::vector<float> e(x.size());
+  for (std::size_t i = 0; i < x.size(); i += 16)
+    _mm512_storeu_ps(e.data() + i, dt::exp_scalef<Degree>(_mm512_loadu_ps(x.data() + i)));
+  check_exp_values(x, e, bits, std::ldexp(1.0, -150),
+                   Degree == 5 ? "exp_scalef<5>" : "exp_scalef<6>");
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (x[i] < -104.0f) REQUIRE(e[i] == 0.0f);
+  for (int masked = 0; masked < (Degree == 6 ? 2 : 1); ++masked)
+    for (index_t n = 0; n <= 70; ++n) {
+      std::vector<float> row(static_cast<std::size_t>(n) + 1, 123.0f), ref(row.size());
+      for (index_t j = 0; j < n; ++j)
+        row[static_cast<std::size_t>(j)] =
+            masked && j % 3 == 1 ? -std::numeric_limits<float>::infinity()
+                                 : x[static_cast<std::size_t>(j * 7 % 4000) + 22001];
+      ref = row;
+      const float sum = masked ? dt::exp_shift_sum_masked(row.data(), n, -1.5f)
+                               : dt::exp_shift_sum<float, Scalef>(row.data(), n, -1.5f);
+      double exact = 0;
+      for (index_t j = 0; j < n; ++j) {
+        const std::size_t u = static_cast<std::size_t>(j);
+        const double want = std::exp(static_cast<double>(ref[u]) + 1.5);
+        INFO("masked " << masked << ", n = " << n << ", j = " << j);
+        if (std::isinf(ref[u])) REQUIRE(row[u] == 0.0f);
+        REQUIRE(std::abs(row[u] - want) <= std::ldexp(want, -bits));
+        exact += static_cast<double>(row[u]);
+      }
+      REQUIRE(row[static_cast<std::size_t>(n)] == 123.0f);  // past the row: untouched
+      REQUIRE(std::abs(sum - exact) <= (n + 1) * std::ldexp(exact, -24));
     }
-    REQUIRE(row[static_cast<std::size_t>(n)] == 123.0f);  // past the row: untouched
-    REQUIRE(std::abs(sum - exact) <= (n + 1) * std::ldexp(exact, -24));
+}
+#endif
+
+TEST_CASE("exp_scalef, exp_fma256: the kernels' exp against std::exp", "[half][bf16wv][softmax]") {
+#if defined(__AVX512F__)
+  // Degree 5: the bf16 dot-product kernels and 8-bit caches, 2^-21 relative.
+  check_exp_scalef<5, true>(21);
+  // Degree 6: the float kernels (and 16-bit storage widened to float), within
+  // 2^-23 relative: 1 ulp of the result where its significand is at least
+  // 1 (checked over every float in [-87, 0]: 1.18 ulp, 2^-23.27 relative).
+  check_exp_scalef<6, false>(23);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  // exp_fma256: the float kernels' exp under AVX2 + FMA, the same reduction
+  // and polynomial as degree 6, 2^n by the exponent field: within 2^-23
+  // relative where exp is normal, 0 from about -87.7 down (a flush of at most
+  // 2^-126) and under -88.
+  {
+    const std::vector<float> x = exp_test_points();
+    std::vector<float> e(x.size());
+    for (std::size_t i = 0; i < x.size(); i += 8)
+      _mm256_storeu_ps(e.data() + i, diffattn::detail::exp_fma256(_mm256_loadu_ps(x.data() + i)));
+    check_exp_values(x, e, 23, std::ldexp(1.0, -126), "exp_fma256");
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (x[i] <= -88.0f) REQUIRE(e[i] == 0.0f);
   }
 #else
-  WARN("exp_scalef is defined for AVX-512 builds only (this build targets none): skipped");
+  WARN("exp_scalef and exp_fma256 are defined for AVX-512 and AVX2 + FMA builds only (this "
+       "build targets neither): skipped");
 #endif
 }
 

@@ -403,8 +403,8 @@ void backward_group(const BackwardProblem<T>& bp, index_t seq, index_t g, Backwa
           const C lse = p.lse(sq.b, hm.q[m], i);
           if (lse == -std::numeric_limits<C>::infinity()) {
             a.setZero();
-          } else if constexpr (dot) {  // the forward's exp (softmax.hpp, exp_scalef)
-            exp_shift_sum<C, true>(a.data(), a.size(), lse);
+          } else if constexpr (kHasFastExp<C>) {  // the forward's exp (softmax.hpp)
+            exp_shift_sum<C, dot>(a.data(), a.size(), lse);
           } else {
             a -= lse;
             a = a.exp();

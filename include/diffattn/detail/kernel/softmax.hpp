@@ -14,7 +14,7 @@
 
 #include <Eigen/Core>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -23,42 +23,109 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
+/// log2(e) as a float and the float of its remainder.
+constexpr float kLog2eHi = 1.44269502162933349609375f, kLog2eLo = 1.925963033500011e-08f;
+/// 2^f on [-1/2, 1/2], constant term 1: the coefficients of f^5 down to f (relative error
+/// 2^-22.5 as rounded to floats), and of f^6 down to f (2^-28.9).
+constexpr float kExp2Degree5[] = {1.326472731307149e-3f, 9.671512991189957e-3f,
+                                  5.550733581185341e-2f, 2.4022242426872253e-1f,
+                                  6.931470036506653e-1f};
+constexpr float kExp2Degree6[] = {1.5353361959569156e-4f, 1.3398875016719103e-3f,
+                                  9.61843691766262e-3f,   5.5503323674201965e-2f,
+                                  2.4022647738456726e-1f, 6.931471824645996e-1f};
+
 #if defined(__AVX512F__)
-/// exp of 16 floats for the bf16 dot-product kernels' rows (x = s - max or
-/// s - lse, at most 0): 2^n 2^f with n = x log2(e) rounded to nearest, f =
+/// exp of 16 floats by vscalefps, for the kernels' rows (x = s - max or s -
+/// lse, at most 0): 2^n 2^f with n = x log2(e) rounded to nearest, f =
 /// x log2(e) - n in [-1/2, 1/2] reduced in two steps (log2(e) split into a
 /// float and the float of its remainder, so that f keeps its accuracy up to
-/// |x| = 104), 2^f by a polynomial of degree 5 (Horner), and the scaling by
-/// 2^n by one vscalefps: 11 operations where Eigen's pexp (cephes: exp(r) of
-/// degree 7, clamps and pldexp) takes about 26 and the degree-7 polynomial
-/// with vscalefps 15. Relative error at most 2^-21 where exp(x) is a normal
-/// float (the polynomial's own error, 2^-22.5 on [-1/2, 1/2] as fitted for
-/// relative error with its constant term 1, so that exp(0) = 1 exactly, and
-/// the rounding of its five FMAs; tests/test_half.cpp). Below -104
-/// (-inf included) the result is 0 (exp underflows float there); NaN stays
-/// NaN. On Zen 5 the bf16 forwards ran 2-5% faster than with the degree-7
-/// polynomial (bench_half, N = 2048, 2 threads, best of 20 runs each).
+/// |x| = 104), 2^f by a polynomial of degree Degree (Horner, constant term 1,
+/// so that exp(0) = 1 exactly; fitted for relative error), and the scaling by
+/// 2^n by one vscalefps. Below -104 (-inf included) the result is 0 (exp
+/// underflows float there); NaN stays NaN.
+///
+/// Degree 6 (the float kernels, 12 operations): at most 1.2 ulp where exp(x)
+/// is a normal float (every float x in [-87, 0] checked against the double
+/// exp; the polynomial's own error is 2^-28.9), where Eigen's pexp (cephes:
+/// clamps, a polynomial of degree 7 and pldexp, about 26 operations) reaches
+/// 4.5 ulp near -87. On an Emerald Rapids Xeon pexp took a quarter of the
+/// float forward's time.
+///
+/// Degree 5 (the bf16 dot-product kernels and 8-bit caches, 11 operations):
+/// relative error at most 2^-21 (the polynomial's 2^-22.5 and the rounding of
+/// its five FMAs; tests/test_half.cpp), far below bfloat16's or an 8-bit
+/// cache's own rounding. On Zen 5 the bf16 forwards ran 2-5% faster than with
+/// a degree-7 polynomial (bench_half, N = 2048, 2 threads, best of 20 runs
+/// each).
+template <int Degree = 5>
 EIGEN_ALWAYS_INLINE __m512 exp_scalef(__m512 x) {
+  static_assert(Degree == 5 || Degree == 6, "exp_scalef: degree 5 or 6");
+  const float* c = Degree == 5 ? kExp2Degree5 : kExp2Degree6;
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // a NaN x is the result (second operand)
-  const __m512 log2e_hi = _mm512_set1_ps(1.44269502162933349609375f);
+  const __m512 log2e_hi = _mm512_set1_ps(kLog2eHi);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e_hi),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fmadd_ps(x, _mm512_set1_ps(1.925963033500011e-08f),
-                                   _mm512_fmsub_ps(x, log2e_hi, n));
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.326472731307149e-3f), f,
-                             _mm512_set1_ps(9.671512991189957e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550733581185341e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022242426872253e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931470036506653e-1f));
+  const __m512 f =
+      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2eLo), _mm512_fmsub_ps(x, log2e_hi, n));
+  __m512 y = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < Degree; ++i) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(c[i]));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
 }
 #endif
 
-/// True when exp_shift_sum<T, true> runs exp_scalef.
+#if defined(__AVX2__) && defined(__FMA__)
+/// The float kernels' exp of 8 floats under AVX2 + FMA (no vscalefps): the
+/// reduction and the degree-6 polynomial of exp_scalef<6>, and 2^n as the
+/// float whose exponent field is n + 127, multiplied in: 15 operations where
+/// pexp takes about 25. x is clamped to -88 first, so that n >= -127; n =
+/// -127 gives the field 0, the float 0, and the result 0 exactly (-inf
+/// included), below about -87.7, where exp(x) is a denormal at most 2^-126.
+/// Between there and -87.3 the result is a denormal, as it should be. At
+/// most 1.2 ulp where exp(x) is a normal float, as exp_scalef<6>; NaN stays
+/// NaN. For x <= 0, as the kernels' rows are.
+EIGEN_ALWAYS_INLINE __m256 exp_fma256(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-88.0f), x);  // a NaN x is the result (second operand)
+  const __m256 log2e_hi = _mm256_set1_ps(kLog2eHi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e_hi),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f =
+      _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2eLo), _mm256_fmsub_ps(x, log2e_hi, n));
+  __m256 y = _mm256_set1_ps(kExp2Degree6[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kExp2Degree6[i]));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+#endif
+
+/// The float kernels' exp of a packet: exp_scalef<6> (AVX-512), exp_fma256
+/// (AVX2 + FMA), Eigen's pexp elsewhere and for double.
+template <class Packet>
+EIGEN_ALWAYS_INLINE Packet exp_packet(const Packet& x) {
+  return Eigen::internal::pexp(x);
+}
+#if defined(__AVX512F__)
+EIGEN_ALWAYS_INLINE __m512 exp_packet(const __m512& x) { return exp_scalef<6>(x); }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+EIGEN_ALWAYS_INLINE __m256 exp_packet(const __m256& x) { return exp_fma256(x); }
+#endif
+
+/// True when the rows' exps run exp_scalef (float under AVX-512): degree 6 in
+/// the float kernels, degree 5 in exp_shift_sum<T, true>.
 template <class T>
 constexpr bool kHasExpScalef =
 #if defined(__AVX512F__)
+    std::is_same<T, float>::value;
+#else
+    false;
+#endif
+/// True when the float kernels' exps run exp_scalef<6> or exp_fma256 (float
+/// under AVX-512, or AVX2 + FMA), not Eigen's pexp.
+template <class T>
+constexpr bool kHasFastExp =
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     std::is_same<T, float>::value;
 #else
     false;
@@ -81,18 +148,21 @@ inline T row_max(const T* x, index_t n) {
 /// is loaded and stored once (on a machine with two FMA units per core these
 /// passes over the score rows, not the products, are what limits the kernels).
 ///
-/// Scalef (float under AVX-512, kHasExpScalef): exp_scalef in place of pexp,
-/// for the bf16 dot-product kernels; everything else keeps pexp, bit for bit.
+/// Float under AVX-512 (kHasExpScalef): exp_scalef in place of Eigen's pexp,
+/// of degree 6, or of degree 5 with Scalef (the bf16 dot-product kernels and
+/// 8-bit caches). Elsewhere exp_packet: exp_fma256 for float under AVX2 + FMA,
+/// pexp otherwise.
 template <class T, bool Scalef = false>
 inline T exp_shift_sum(T* x, index_t n, T m) {
 #if defined(__AVX512F__)
-  if constexpr (Scalef && kHasExpScalef<T>) {
+  if constexpr (kHasExpScalef<T>) {
+    constexpr int kDegree = Scalef ? 5 : 6;
     const __m512 pm = _mm512_set1_ps(m);
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
     index_t j = 0;
     for (; j + 32 <= n; j += 32) {
-      const __m512 e0 = exp_scalef(_mm512_sub_ps(_mm512_loadu_ps(x + j), pm));
-      const __m512 e1 = exp_scalef(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), pm));
+      const __m512 e0 = exp_scalef<kDegree>(_mm512_sub_ps(_mm512_loadu_ps(x + j), pm));
+      const __m512 e1 = exp_scalef<kDegree>(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), pm));
       _mm512_storeu_ps(x + j, e0);
       _mm512_storeu_ps(x + j + 16, e1);
       acc0 = _mm512_add_ps(acc0, e0);
@@ -100,7 +170,7 @@ inline T exp_shift_sum(T* x, index_t n, T m) {
     }
     for (; j < n; j += 16) {  // the last 1 to 31 entries, 16 at a time under a mask
       const __mmask16 k = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-      const __m512 e = exp_scalef(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), pm));
+      const __m512 e = exp_scalef<kDegree>(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), pm));
       _mm512_mask_storeu_ps(x + j, k, e);
       acc0 = _mm512_add_ps(acc0, _mm512_maskz_mov_ps(k, e));
     }
@@ -114,8 +184,8 @@ inline T exp_shift_sum(T* x, index_t n, T m) {
   Packet acc0 = pset1<Packet>(T(0)), acc1 = acc0;
   index_t j = 0;
   for (; j + 2 * P <= n; j += 2 * P) {
-    const Packet e0 = pexp(psub(ploadu<Packet>(x + j), pm));
-    const Packet e1 = pexp(psub(ploadu<Packet>(x + j + P), pm));
+    const Packet e0 = exp_packet(psub(ploadu<Packet>(x + j), pm));
+    const Packet e1 = exp_packet(psub(ploadu<Packet>(x + j + P), pm));
     pstoreu(x + j, e0);
     pstoreu(x + j + P, e1);
     acc0 = padd(acc0, e0);
@@ -130,10 +200,11 @@ inline T exp_shift_sum(T* x, index_t n, T m) {
 }
 
 /// exp_shift_sum for a row whose masked entries are -inf: they become exactly
-/// 0 (a vectorised exp(-inf) may return a denormal), in the same single
-/// vectorised pass.
+/// 0 (pexp(-inf) may return a denormal; exp_scalef and exp_fma256 return 0),
+/// in the same single vectorised pass.
 template <class T>
 inline T exp_shift_sum_masked(T* x, index_t n, T m) {
+  if constexpr (kHasExpScalef<T>) return exp_shift_sum(x, n, m);
   using Packet = typename Eigen::internal::packet_traits<T>::type;
   constexpr index_t P = Eigen::internal::packet_traits<T>::size;
   using namespace Eigen::internal;  // NOLINT: Eigen's packet vocabulary
@@ -143,7 +214,7 @@ inline T exp_shift_sum_masked(T* x, index_t n, T m) {
   index_t j = 0;
   for (; j + P <= n; j += P) {
     const Packet v = ploadu<Packet>(x + j);
-    const Packet e = pselect(pcmp_eq(v, ninf), zero, pexp(psub(v, pm)));
+    const Packet e = pselect(pcmp_eq(v, ninf), zero, exp_packet(psub(v, pm)));
     pstoreu(x + j, e);
     acc = padd(acc, e);
   }
@@ -185,10 +256,7 @@ inline RowStats<T> exp_row(T* x, index_t n, bool has_masked) {
     return {m, count};
   }
   if (!has_masked) return {m, exp_shift_sum<T, Scalef>(x, n, m)};
-  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> a(x, n);
-  a -= m;
-  a = (a == -inf).select(T(0), a.exp());
-  return {m, a.sum()};
+  return {m, exp_shift_sum_masked(x, n, m)};
 }
 
 /// exp_row for rows with -inf entries (masked pairs), vectorised: the same
