@@ -144,7 +144,7 @@ inline T row_max(const T* x, index_t n) {
 }
 
 /// x <- exp(x - m) over n entries, m finite; returns the sum. One pass: the
-/// shift, Eigen's vectorised exp and the running sum per packet, so each score
+/// shift, the vectorised exp and the running sum per packet, so each score
 /// is loaded and stored once (on a machine with two FMA units per core these
 /// passes over the score rows, not the products, are what limits the kernels).
 ///
@@ -228,8 +228,9 @@ inline T exp_shift_sum_masked(T* x, index_t n, T m) {
 
 /// In-place exp(x - max) of one row; see the header comment for special rows.
 /// When the row may hold -inf entries (an explicit mask), pass has_masked = true
-/// so that they become exactly 0 (a vectorised exp(-inf) may return a denormal).
-/// Scalef: exp_shift_sum<T, true> for the row's exponentials (bf16 kernels).
+/// so that they become exactly 0 (Eigen's pexp(-inf) may return a denormal).
+/// Scalef: exp_shift_sum<T, true> (degree 5) for the row's exponentials (bf16
+/// kernels, 8-bit caches).
 template <class T, bool Scalef = false>
 inline RowStats<T> exp_row(T* x, index_t n, bool has_masked) {
   constexpr T inf = std::numeric_limits<T>::infinity();
