@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -1109,7 +1110,17 @@ void decode_states(const AttentionProblem<T, KV>& p, const SeqSpan& sq, const De
             const C* qr = qs + (r0 + m * rstep) * d;
             for (index_t jj = 0; jj < jn; ++jj) {
               C sum = 0;
-              for (index_t t = dp; t < d; ++t) sum += qr[t] * widen_scalar<C>(rows[jj][off + t]);
+              // Fused where the target has FMA, written out so that the
+              // result does not hang on the compiler contracting a * b + c
+              // in one storage type's instantiation and not another's
+              // (16-bit caches stay bitwise the float step at -O3).
+              for (index_t t = dp; t < d; ++t) {
+#if defined(__FMA__)
+                sum = std::fma(qr[t], widen_scalar<C>(rows[jj][off + t]), sum);
+#else
+                sum += qr[t] * widen_scalar<C>(rows[jj][off + t]);
+#endif
+              }
               tails[(r0 + m * rstep) * P + jj] = sum;
             }
           }
