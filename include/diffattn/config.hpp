@@ -42,6 +42,26 @@
 #define DIFFATTN_ASSERT(cond) assert(cond)
 #endif
 
+/// 1: bfloat16 products (prefill, backward, the layers' projections) run on
+/// AVX512-BF16's vdpbf16ps where the build targets it; 0: they widen
+/// bfloat16 to float and run on float FMAs. Unless defined before the first
+/// include, 1 where the target has AVX512-BF16 and not AMX-BF16, that is on
+/// AMD Zen 4 and Zen 5, and 0 on Intel Xeons of the Sapphire Rapids class
+/// and later: there vdpbf16ps does fewer multiply-adds a second than float
+/// FMAs (0.46x the flops on an Emerald Rapids Xeon), and bfloat16 prefill
+/// built with -march=native ran at 0.70-0.78x float on it, about float's
+/// speed widened. (diffattn::dispatch makes the same choice at run time
+/// with a probe.) Widened, bfloat16 inputs give the float kernels' results
+/// on the widened values; on vdpbf16ps, scores are summed in another order
+/// and W is rounded to bfloat16 before W V (docs/storage.md).
+#ifndef DIFFATTN_BF16_DOT
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#define DIFFATTN_BF16_DOT 1
+#else
+#define DIFFATTN_BF16_DOT 0
+#endif
+#endif
+
 DIFFATTN_BEGIN_NAMESPACE
 
 /// \ingroup basics

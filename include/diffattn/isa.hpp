@@ -33,7 +33,9 @@ DIFFATTN_BEGIN_NAMESPACE
 /// that this CPU's bf16 dot products (`vdpbf16ps`) do fewer flops a second
 /// than its float FMAs, as on Intel's Sapphire Rapids class, the kernels whose
 /// q and k are bfloat16 (the bfloat16 forward and backward) run the "avx512"
-/// variant, which widens bfloat16 to float; isa() still names "avx512bf16". Not
+/// variant, which widens bfloat16 to float; isa() still names "avx512bf16".
+/// Header-only builds make the same choice at compile time
+/// (DIFFATTN_BF16_DOT, config.hpp). Not
 /// dispatched: the analysis kernels (analysis.hpp), the layers' projections,
 /// rotary embedding and normalisation, which compile with the program's flags.
 /// @{

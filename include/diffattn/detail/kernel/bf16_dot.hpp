@@ -46,9 +46,11 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// The target has bf16 dot products and the float kernel's 6 x 32 register
-/// tile of 16-float packets.
-#if defined(__AVX512BF16__)
+/// The target has bf16 dot products, the float kernel's 6 x 32 register
+/// tile of 16-float packets, and the build takes them (DIFFATTN_BF16_DOT,
+/// config.hpp: not where the target has AMX, whose vdpbf16ps is slower than
+/// float FMAs).
+#if defined(__AVX512BF16__) && DIFFATTN_BF16_DOT
 constexpr bool kHasBf16Dot = TileConfig<float>::kPacket == 16;
 #else
 constexpr bool kHasBf16Dot = false;
