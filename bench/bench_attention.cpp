@@ -375,6 +375,45 @@ void BM_Fused_V2Decode(benchmark::State& state) {
                4.0 * static_cast<double>(k.size() + v.size()));
 }
 
+// Peaked scores: the V2 shapes above with q drawn with standard deviation
+// sigma (args {N or M, threads, sigma}), so that the scores' standard
+// deviation is sigma (d = 64, scale 1/8) and, at sigma 30, many of each row's
+// exps fall below 2^-126: the denormals that the kernels flush (config.hpp,
+// DIFFATTN_FLUSH_DENORMALS). What = 0 forward, 1 backward, 2 a decoding
+// step over M cached keys. Their time at sigma 30 over sigma 1, from one run,
+// is what peaked attention costs; without the flush it was 18x (forward),
+// 77x (backward) and 5x (decoding) on an Emerald Rapids Xeon.
+template <int What>
+void peaked(benchmark::State& state) {
+  const index_t n = state.range(0), H = 8, d = kHeadDim;
+  const double sigma = static_cast<double>(state.range(2));
+  const index_t nq = What == 2 ? 1 : n;
+  auto q = random4({1, nq, 2 * H, d}, 1);
+  for (index_t i = 0; i < q.size(); ++i) q.data()[i] = static_cast<float>(sigma * q.data()[i]);
+  const auto k = random4({1, n, H, d}, 2), v = random4({1, n, H, d}, 3),
+             dout = random4({1, nq, H, d}, 4);
+  Tensor<float, 3> logit({1, nq, H}), lse({1, 2 * H, nq}), dlogit(logit.shape());
+  Tensor<float, 4> out({1, nq, H, d}), dq(q.shape()), dk(k.shape()), dv(v.shape());
+  const auto o = options(state, true);
+  diffattn::diff_attention_v2<float>(q, k, v, logit, out, lse, o);
+  for (auto _ : state) {
+    if constexpr (What == 1)
+      diffattn::diff_attention_v2_backward<float>(q, k, v, logit, out, lse, dout, dq, dk, dv,
+                                                  dlogit, o);
+    else
+      diffattn::diff_attention_v2<float>(q, k, v, logit, out, lse, o);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::DoNotOptimize(dq.data());
+  }
+  const double pairs = What == 2 ? static_cast<double>(n) : visible_pairs(n);
+  set_counters(state, (What == 1 ? 2.5 : 1.0) * 2 * H * 4.0 * pairs * d,
+               4.0 * static_cast<double>(q.size() + k.size() + v.size() + out.size()));
+}
+
+void BM_Peaked_V2(benchmark::State& s) { peaked<0>(s); }
+void BM_Peaked_V2Backward(benchmark::State& s) { peaked<1>(s); }
+void BM_Peaked_V2Decode(benchmark::State& s) { peaked<2>(s); }
+
 void BM_Fused_V1Decode(benchmark::State& s) { decode<true>(s); }
 void BM_Fused_PlainDecode(benchmark::State& s) { decode<false>(s); }
 
@@ -449,6 +488,20 @@ BENCHMARK(BM_Mod_V2)
     ->UseRealTime();
 BENCHMARK(BM_Mod_V1Backward)
     ->ArgsProduct({{4096}, {2}, {0, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// Peaked scores: sigma 1 against 30, N = 2048 (decoding: M = 32k), 2 threads.
+BENCHMARK(BM_Peaked_V2)
+    ->ArgsProduct({{2048}, {2}, {1, 30}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Peaked_V2Backward)
+    ->ArgsProduct({{2048}, {2}, {1, 30}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Peaked_V2Decode)
+    ->ArgsProduct({{32768}, {2}, {1, 30}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

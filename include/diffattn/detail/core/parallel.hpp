@@ -3,12 +3,14 @@
 
 #include <algorithm>
 #include <exception>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include "../../config.hpp"
+#include "fp_mode.hpp"
 
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
@@ -47,14 +49,20 @@ inline int resolve_threads(int requested, index_t tasks, double work) {
 /// out one at a time (dynamic schedule: causal tasks differ in cost), then
 /// epilogue() once on each participating thread. An exception thrown by a task
 /// (say, out of memory) is caught inside the parallel region and rethrown here
-/// after every thread has finished; it never escapes an OpenMP region.
-template <class Body, class Epilogue>
+/// after every thread has finished; it never escapes an OpenMP region. Each
+/// participating thread, the caller's included, runs its tasks and epilogue
+/// with denormals flushed (fp_mode.hpp) and is put back in its own mode
+/// after them; FlushDenormals = false (the float64 reference) keeps the mode.
+template <bool FlushDenormals = true, class Body, class Epilogue>
 void parallel_tasks(index_t tasks, int threads, Body&& body, Epilogue&& epilogue) {
+  using Mode = std::conditional_t<FlushDenormals, DenormalsFlushed, CallerFpMode>;
 #ifdef _OPENMP
   if (threads > 1) {
     std::exception_ptr failure;
 #pragma omp parallel num_threads(threads)
     {
+      Mode mode;
+      (void)mode;
 #pragma omp for schedule(dynamic, 1)
       for (index_t t = 0; t < tasks; ++t) {
         try {
@@ -71,6 +79,8 @@ void parallel_tasks(index_t tasks, int threads, Body&& body, Epilogue&& epilogue
   }
 #endif
   (void)threads;
+  Mode mode;
+  (void)mode;
   for (index_t t = 0; t < tasks; ++t) body(t);
   epilogue();
 }

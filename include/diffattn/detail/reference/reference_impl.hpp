@@ -66,7 +66,7 @@ void reference_run(const AttentionProblem<T>& p, const AttentionOptions& options
     fail("diffattn::reference", "options.softcap, alibi_slopes and sinks are not supported here");
   const index_t tasks = p.num_seqs() * p.heads;
   if (tasks == 0) return;
-  parallel_tasks(
+  parallel_tasks<false>(
       tasks, resolve_threads(options.num_threads, tasks),
       [&](index_t t) { reference_head(p, t / p.heads, t % p.heads); }, [] {});
 }
