@@ -381,8 +381,8 @@ void BM_Fused_V2Decode(benchmark::State& state) {
 // exps fall below 2^-126: the denormals that the kernels flush (config.hpp,
 // DIFFATTN_FLUSH_DENORMALS). What = 0 forward, 1 backward, 2 a decoding
 // step over M cached keys. Their time at sigma 30 over sigma 1, from one run,
-// is what peaked attention costs; without the flush it was 18x (forward),
-// 77x (backward) and 5x (decoding) on an Emerald Rapids Xeon.
+// is what peaked attention costs; without the flush it was 13x (forward),
+// 62x (backward) and 4.5x (decoding) on an Emerald Rapids Xeon.
 template <int What>
 void peaked(benchmark::State& state) {
   const index_t n = state.range(0), H = 8, d = kHeadDim;

@@ -69,7 +69,7 @@
 /// Attention makes denormals wherever it is peaked (exp of scores 87 to 104
 /// below the row's max), and x86 cores take about 100 cycles for each
 /// instruction that meets one: with scores of standard deviation 30, as
-/// trained models reach, the V2 forward ran 18x and its backward 77x slower
+/// trained models reach, the V2 forward ran 13x and its backward 62x slower
 /// on an Emerald Rapids Xeon without the flush. A flushed term is below
 /// 2^-126 times the other factor, far below the rounding of any sum it joins
 /// (docs/kernels.md). 0: the kernels run in the caller's mode (IEEE gradual

@@ -7,8 +7,8 @@
 // (2^-150, 2^-126) for s - max in (-104, -87.3), and the backward's dS =
 // P (dP - D) and the products taking P then take them as inputs. With scores
 // of standard deviation 30 (trained models reach logits of 40 to 300), a V2
-// forward at N = 2048 ran 18x and its backward 77x slower than on N(0, 1)
-// scores on that Xeon (bench_attention's BM_Peaked_*). So each task runs with
+// forward at N = 2048 ran 13x and its backward 62x slower than on N(0, 1)
+// scores on that Xeon (docs/kernels.md, "Denormals"). So each task runs with
 // MXCSR's FTZ (flush-to-zero: a denormal result becomes 0) and DAZ
 // (denormals-are-zero: a denormal input reads as 0), as TensorFlow's CPU
 // kernels run, and the thread's mode is put back after it, so that the
