@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 #include <diffattn/attention.hpp>
+#include <diffattn/detail/core/fp_mode.hpp>
+#include <diffattn/detail/core/random.hpp>
 #include <diffattn/reference.hpp>
 
 #include "attention_support.hpp"
@@ -285,6 +287,53 @@ TEST_CASE("results are bitwise identical for 1 and 2 threads", "[attention][thre
     CHECK(test::bitwise_equal(l1, l2));
   }
 }
+
+#if DIFFATTN_DETAIL_FLUSH_MXCSR
+TEST_CASE("the kernels read denormal inputs as zero (DIFFATTN_FLUSH_DENORMALS)",
+          "[attention][denormals]") {
+  // q below 2^-128 in magnitude (every element a denormal), k up to 2^126:
+  // in IEEE arithmetic the scores are O(0.1) and the weights uneven; with DAZ
+  // q reads as 0, every score is 0 and each row is the mean of v over its keys
+  // (lse = log of their count). So the output tells whether the call ran
+  // flushed, here and through every diffattn::dispatch variant.
+  const index_t M = 41, H = 2, d = 16;
+  for (index_t N : {3, 37}) {  // the decoding step (< 6 queries) and the block kernel
+    INFO("N = " << N);
+    diffattn::detail::Rng rng(9000 + static_cast<std::uint64_t>(N));
+    Tensor<float, 4> q({1, N, H, d}), k({1, M, 1, d});
+    for (index_t i = 0; i < q.size(); ++i)
+      q.data()[i] = std::ldexp(static_cast<float>(rng.uniform(-1, 1)), -128);
+    for (index_t i = 0; i < k.size(); ++i)
+      k.data()[i] = std::ldexp(static_cast<float>(rng.uniform(-1, 1)), 126);
+    const auto v = random_tensor<float, 4>({1, M, 1, d}, 9100);
+    Tensor<float, 4> out({1, N, H, d});
+    Tensor<float, 3> lse({1, H, N});
+    Tensor<double, 4> ieee({1, N, H, d});
+    for (bool causal : {false, true}) {
+      INFO("causal " << causal);
+      diffattn::attention<float>(q, k, v, out, lse, opts(causal));
+      diffattn::reference::attention<double>(cast<double>(q), cast<double>(k), cast<double>(v),
+                                             ieee, opts(causal));
+      double flushed_err = 0, ieee_diff = 0;
+      for (index_t i = 0; i < N; ++i) {
+        const index_t keys = causal ? i + M - N + 1 : M;
+        for (index_t h = 0; h < H; ++h) {
+          CHECK(lse(0, h, i) == Approx(std::log(static_cast<double>(keys))).epsilon(1e-6));
+          for (index_t c = 0; c < d; ++c) {
+            double mean = 0;
+            for (index_t j = 0; j < keys; ++j) mean += v(0, j, 0, c);
+            mean /= static_cast<double>(keys);
+            flushed_err = std::max(flushed_err, std::abs(out(0, i, h, c) - mean));
+            ieee_diff = std::max(ieee_diff, std::abs(ieee(0, i, h, c) - mean));
+          }
+        }
+      }
+      CHECK(flushed_err < 1e-5);
+      CHECK(ieee_diff > 1e-2);  // unflushed, the same inputs give another answer
+    }
+  }
+}
+#endif
 
 TEST_CASE("zero-sized batch, queries or keys", "[attention]") {
   const auto q = random_tensor<float, 4>({1, 4, 2, 8}, 111);
