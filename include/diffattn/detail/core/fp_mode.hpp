@@ -34,7 +34,7 @@ constexpr unsigned kMxcsrFlushDenormals = 0x8040u;
 
 /// Sets FTZ and DAZ on this thread for its lifetime and then puts back the
 /// thread's own setting of those two bits, keeping the exception flags the
-/// work raised (as plain IEEE arithmetic would have raised them). Nothing
+/// work raised (underflow among them, where a result was flushed). Nothing
 /// where DIFFATTN_FLUSH_DENORMALS is 0 or the target is not x86.
 class DenormalsFlushed {
  public:
