@@ -24,6 +24,7 @@
 #include <diffattn/diffattn.hpp>
 #include <diffattn/detail/core/random.hpp>
 
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -446,6 +447,11 @@ void sizes(benchmark::internal::Benchmark* b, std::initializer_list<long> ns) {
   b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
+/// Every combination of `args`, timed in milliseconds of wall time.
+void product(benchmark::internal::Benchmark* b, const std::vector<std::vector<int64_t>>& args) {
+  b->ArgsProduct(args)->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
 }  // namespace
 
 BENCHMARK(bench::BM_FmaPeak)->Arg(1)->Arg(2)->UseRealTime();
@@ -470,39 +476,15 @@ BENCHMARK(BM_Bf16_V1Backward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Bf16_PlainBackward)->Apply([](auto* b) { sizes(b, {1024, 4096}); });
 BENCHMARK(BM_Reference_V1Backward)->Apply([](auto* b) { sizes(b, {1024}); });
 // Modifiers: N = 4096 causal, 2 threads (the document mask at 8192 = 8 x 1024).
-BENCHMARK(BM_Mod_V1)
-    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4, 9}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Mod_V2)
-    ->ArgsProduct({{4096}, {2}, {0, 1, 2, 3, 4, 9}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Mod_V1)
-    ->ArgsProduct({{8192}, {2}, {6, 5, 7, 8}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Mod_V2)
-    ->ArgsProduct({{8192}, {2}, {6, 5, 7, 8}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Mod_V1Backward)
-    ->ArgsProduct({{4096}, {2}, {0, 2}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+BENCHMARK(BM_Mod_V1)->Apply([](auto* b) { product(b, {{4096}, {2}, {0, 1, 2, 3, 4, 9}}); });
+BENCHMARK(BM_Mod_V2)->Apply([](auto* b) { product(b, {{4096}, {2}, {0, 1, 2, 3, 4, 9}}); });
+BENCHMARK(BM_Mod_V1)->Apply([](auto* b) { product(b, {{8192}, {2}, {6, 5, 7, 8}}); });
+BENCHMARK(BM_Mod_V2)->Apply([](auto* b) { product(b, {{8192}, {2}, {6, 5, 7, 8}}); });
+BENCHMARK(BM_Mod_V1Backward)->Apply([](auto* b) { product(b, {{4096}, {2}, {0, 2}}); });
 
 // Peaked scores: sigma 1 against 30, N = 2048 (decoding: M = 32k), 2 threads.
-BENCHMARK(BM_Peaked_V2)
-    ->ArgsProduct({{2048}, {2}, {1, 30}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Peaked_V2Backward)
-    ->ArgsProduct({{2048}, {2}, {1, 30}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Peaked_V2Decode)
-    ->ArgsProduct({{32768}, {2}, {1, 30}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+BENCHMARK(BM_Peaked_V2)->Apply([](auto* b) { product(b, {{2048}, {2}, {1, 30}}); });
+BENCHMARK(BM_Peaked_V2Backward)->Apply([](auto* b) { product(b, {{2048}, {2}, {1, 30}}); });
+BENCHMARK(BM_Peaked_V2Decode)->Apply([](auto* b) { product(b, {{32768}, {2}, {1, 30}}); });
 
 BENCHMARK_MAIN();
