@@ -9,6 +9,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -123,13 +124,20 @@ TensorView<T, R> view_of(const char* fn, const char* name, const py::array& a) {
   if (static_cast<std::size_t>(a.ndim()) != R)
     fail(fn, name, " has ", a.ndim(), " dimensions, expected ", R);
   std::array<index_t, R> shape{}, strides{};
-  for (std::size_t i = 0; i < R; ++i) {
-    shape[i] = a.shape(i);
-    const index_t s = a.strides(i);
-    if (s % static_cast<index_t>(sizeof(V)) != 0)
-      fail(fn, name, " has a stride of ", s, " bytes on axis ", i,
-           ", not a multiple of its element size ", sizeof(V));
-    strides[i] = s / static_cast<index_t>(sizeof(V));
+  for (std::size_t i = 0; i < R; ++i) shape[i] = a.shape(i);
+  if (a.size() == 0) {
+    // No element to address: numpy gives an empty array any strides (zeros in
+    // recent versions), so the view takes the C-contiguous ones.
+    index_t s = 1;
+    for (std::size_t i = R; i-- > 0; s *= std::max<index_t>(shape[i], 1)) strides[i] = s;
+  } else {
+    for (std::size_t i = 0; i < R; ++i) {
+      const index_t s = a.strides(i);
+      if (s % static_cast<index_t>(sizeof(V)) != 0)
+        fail(fn, name, " has a stride of ", s, " bytes on axis ", i,
+             ", not a multiple of its element size ", sizeof(V));
+      strides[i] = s / static_cast<index_t>(sizeof(V));
+    }
   }
   if constexpr (std::is_const<T>::value) {
     return TensorView<T, R>(static_cast<T*>(a.data()), shape, strides);

@@ -513,6 +513,28 @@ def test_inputs_are_not_copied():
         diffattn.diff_attention_v2(q, q[:, :, :1], q[:, :, 1:], np.zeros((1, 6, 1)), out=q[:, :, :1])
 
 
+def test_empty_batches_and_sequences():
+    # numpy may give an empty array zero strides; no element is read, so none is refused
+    z = lambda *s: np.zeros(s)  # noqa: E731
+    out, lse = diffattn.diff_attention_v2(z(1, 0, 4, 8), z(1, 5, 2, 8), z(1, 5, 2, 8), z(1, 0, 2))
+    assert out.shape == (1, 0, 2, 8) and lse.shape == (1, 4, 0)
+    out, lse = diffattn.attention(z(0, 3, 4, 8), z(0, 5, 2, 8), z(0, 5, 2, 8))
+    assert out.shape == (0, 3, 4, 8) and lse.shape == (0, 4, 3)
+    # no key: every row sees none, so out is 0 and lse -inf, as in C++
+    out, lse = diffattn.diff_attention_v1(rand(1, 3, 4, 8), z(1, 0, 4, 8), z(1, 0, 2, 16), 0.5)
+    assert out.shape == (1, 3, 2, 16) and np.all(out == 0) and np.all(np.isneginf(lse))
+    # no query: the key and value gradients are zero
+    q, k, v = z(1, 0, 4, 8), rand(1, 5, 2, 8), rand(1, 5, 2, 8)
+    o, lse = diffattn.attention(q, k, v)
+    dq, dk, dv = diffattn.attention_backward(q, k, v, o, lse, z(1, 0, 4, 8))
+    assert dq.shape == q.shape and np.all(dk == 0) and np.all(dv == 0)
+    dst, scale = diffattn.quantize_rows(np.zeros((0, 3, 8), np.float32))
+    assert dst.shape == (0, 3, 8) and scale.shape == (0, 3)
+    out, lse = diffattn.attention_kvcache(z(0, 1, 4, 8), z(0, 5, 2, 8), z(0, 5, 2, 8),
+                                          np.zeros(0, np.int32))
+    assert out.shape == (0, 1, 4, 8)
+
+
 def test_errors_carry_the_cpp_message():
     q, k, v = rand(1, 4, 4, 8), rand(1, 4, 3, 8), rand(1, 4, 1, 16)
     with pytest.raises(diffattn.Error) as e:

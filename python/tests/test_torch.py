@@ -270,6 +270,14 @@ def test_errors_from_torch():
         dt.attention(q.long(), q.long(), q.long())
 
 
+def test_empty_sequences():
+    q, k, v, lam = r(1, 0, 4, 8), r(1, 5, 2, 8), r(1, 5, 2, 8), r(1, 0, 2)
+    out = dt.diff_attention_v2(q, k, v, lam)
+    assert out.shape == (1, 0, 2, 8)
+    out.sum().backward()
+    assert torch.all(k.grad == 0) and torch.all(v.grad == 0) and q.grad.shape == q.shape
+
+
 def test_score_modifiers():
     n, m, h, hkv, d = 4, 6, 2, 1, 4
     q, k, v, logit = r(1, n, 2 * h, d), r(1, m, hkv, d), r(1, m, hkv, d), r(1, n, h)
