@@ -181,10 +181,17 @@ py::array output(const char* fn, const char* name, const py::object& given,
 }
 
 /// An integer array (index_t, contiguous; converted if need be: offsets and
-/// lengths are small).
+/// lengths are small). Only integer dtypes are taken (an empty array of any
+/// dtype too, as np.asarray([]) is float64): a float or bool array would be
+/// truncated without a word.
 inline py::array_t<index_t, py::array::c_style | py::array::forcecast> int_array(
-    const py::handle& h) {
-  return py::array_t<index_t, py::array::c_style | py::array::forcecast>::ensure(h);
+    const char* fn, const char* name, const py::handle& h) {
+  const py::array raw = as_array(h);
+  if (!raw) fail(fn, name, " must be an array of integers");
+  const char kind = raw.dtype().kind();
+  if (kind != 'i' && kind != 'u' && raw.size() != 0)
+    fail(fn, name, " has dtype ", std::string(py::str(raw.dtype())), ", expected integers");
+  return py::array_t<index_t, py::array::c_style | py::array::forcecast>::ensure(raw);
 }
 
 template <std::size_t R>
@@ -200,7 +207,7 @@ TensorView<const index_t, R> int_view(const char* fn, const char* name,
 }
 
 inline std::vector<index_t> int_vector(const char* fn, const char* name, const py::handle& h) {
-  const auto a = int_array(h);
+  const auto a = int_array(fn, name, h);
   if (!a || a.ndim() != 1) fail(fn, name, " must be a 1-D sequence of integers");
   return std::vector<index_t>(a.data(), a.data() + a.shape(0));
 }

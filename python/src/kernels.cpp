@@ -333,10 +333,10 @@ struct CacheArgs {
 
 void fill_cache(const char* fn, CacheArgs& c, const py::handle& lens, const py::object& table,
                 const py::object& ks, const py::object& vs, index_t split_keys) {
-  c.lens = int_array(lens);
+  c.lens = int_array(fn, "cache_seqlens", lens);
   c.batch.cache_seqlens = int_view<1>(fn, "cache_seqlens", c.lens);
   if (!table.is_none()) {
-    c.table = int_array(table);
+    c.table = int_array(fn, "block_table", table);
     c.batch.block_table = int_view<2>(fn, "block_table", c.table);
   }
   if (!ks.is_none()) {

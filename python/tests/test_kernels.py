@@ -384,6 +384,19 @@ def test_kvcache_refuses_bad_pairs_and_scales():
     q = q.astype(np.float32)
     with pytest.raises(ValueError, match="attention_kvcache: k_scale is missing"):
         diffattn.attention_kvcache(q, k8, k8, [4])
+    # lengths, tables and offsets must be integers: a float or bool array would be truncated
+    kf = np.zeros((1, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="cache_seqlens has dtype float64, expected integers"):
+        diffattn.attention_kvcache(q, kf, kf, np.array([3.5]))
+    with pytest.raises(ValueError, match="cache_seqlens has dtype bool, expected integers"):
+        diffattn.attention_kvcache(q, kf, kf, np.array([True]))
+    with pytest.raises(ValueError, match="block_table has dtype float32, expected integers"):
+        diffattn.attention_kvcache(q, kf, kf, [3], block_table=np.zeros((1, 1), np.float32))
+    with pytest.raises(ValueError, match="cu_seqlens_q has dtype float64, expected integers"):
+        diffattn.attention_varlen(q[0], kf[0], kf[0], np.array([0.0, 1.0]))
+    for lens in ([3], np.array([3], np.uint8), np.array([3], np.int16)):
+        out, _ = diffattn.attention_kvcache(q, kf, kf, lens)
+        assert out.shape == q.shape
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
