@@ -288,13 +288,38 @@ class RMSNorm(nn.Module):
         return out * self.weight if self.weight is not None else out
 
 
+def _cache_storage(dtype):
+    """(torch dtype the rows are stored in, quantize_rows' name or None) of a
+    cache dtype: a kernel dtype as itself, "int8" or torch.int8 as int8 rows,
+    "float8_e4m3" (or torch.float8_e4m3fn where torch has it) as uint8 E4M3FN bits."""
+    if dtype in ("int8", torch.int8):
+        return torch.int8, "int8"
+    if dtype == "float8_e4m3" or dtype == getattr(torch, "float8_e4m3fn", "float8_e4m3"):
+        return torch.uint8, "float8_e4m3"
+    if dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"make_cache: dtype must be float32, float64, bfloat16, float16, "
+                         f"\"int8\" or \"float8_e4m3\"; got {dtype}")
+    return dtype, None
+
+
 class KVCache:
     """Keys (after rotary) and values of the tokens a module has seen: (B,
-    capacity, heads, width) tensors and the number of tokens held."""
+    capacity, heads, width) tensors and the number of tokens held.
+
+    An 8-bit cache (make_cache(..., dtype="int8" or "float8_e4m3")) holds k and v
+    as int8, or uint8 E4M3FN bits, and one float32 scale per (token, head) row in
+    k_scale and v_scale (B, capacity, heads): each appended row is quantized by
+    quantize_rows (scale = max |x| / 127 or / 448), and the decoding kernels read
+    the rows in place. k_scale and v_scale are None for other caches."""
 
     def __init__(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype):
-        self.k = torch.zeros(batch, capacity, k_heads, k_dim, dtype=dtype)
-        self.v = torch.zeros(batch, capacity, v_heads, v_dim, dtype=dtype)
+        store, self._quant = _cache_storage(dtype)
+        self.k = torch.zeros(batch, capacity, k_heads, k_dim, dtype=store)
+        self.v = torch.zeros(batch, capacity, v_heads, v_dim, dtype=store)
+        self.k_scale = self.v_scale = None
+        if self._quant:
+            self.k_scale = torch.zeros(batch, capacity, k_heads, dtype=torch.float32)
+            self.v_scale = torch.zeros(batch, capacity, v_heads, dtype=torch.float32)
         self._size = 0
 
     def size(self):
@@ -306,6 +331,11 @@ class KVCache:
     def batch(self):
         return self.k.shape[0]
 
+    def bytes(self):
+        """Bytes held for keys, values and (8-bit caches) their scales."""
+        ts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self._quant else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def clear(self):
         self._size = 0
 
@@ -316,10 +346,28 @@ class KVCache:
         if self._size + n > self.capacity():
             raise ValueError(f"{fn}: cannot append {n} tokens to a cache holding {self._size} "
                              f"of capacity {self.capacity()}")
-        self.k[:, self._size:self._size + n] = k
-        self.v[:, self._size:self._size + n] = v
+        new = slice(self._size, self._size + n)
+        if self._quant:
+            # Rows from size on are not held yet: a failure (a non-finite value
+            # has no scale) leaves the cache as it was.
+            try:
+                for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+                    _C.quantize_rows(_np(src), self._quant, out=dst[:, new].numpy(),
+                                     scale=scale[:, new].numpy())
+            except ValueError as e:
+                raise ValueError(f"{fn}: {e}") from None
+        else:
+            self.k[:, new] = k
+            self.v[:, new] = v
         self._size += n
         return np.full(self.batch(), self._size, dtype=np.int64)
+
+    def _kernel_args(self):
+        """k_cache, v_cache and the scale keywords of the kvcache kernels."""
+        if not self._quant:
+            return _np(self.k, "cache.k"), _np(self.v, "cache.v"), {}
+        return self.k.numpy(), self.v.numpy(), dict(k_scale=self.k_scale.numpy(),
+                                                    v_scale=self.v_scale.numpy())
 
 
 class _Module(nn.Module):
@@ -337,6 +385,19 @@ class _Module(nn.Module):
 
     def _mods(self):
         return dict(softcap=self.softcap, alibi_slopes=self._alibi_slopes, sinks=self.sinks)
+
+    def _check_x(self, x):
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"{type(self).__name__}.forward: x has shape {tuple(x.shape)}, "
+                             f"expected (B, N, {self.embed_dim})")
+
+    def _new_cache(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype):
+        own = self.q_proj.weight.dtype
+        cache = KVCache(batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype or own)
+        if cache._quant and own not in (torch.float32,) + _HALF:
+            raise ValueError(f"{type(self).__name__}.make_cache: an 8-bit cache takes queries of "
+                             f"float32, bfloat16 or float16; this module's parameters are {own}")
+        return cache
 
     def _check_cache_use(self, cache):
         # The cached forward is for inference: it runs under no_grad.
@@ -419,6 +480,7 @@ class MultiheadDiffAttnV1(_Module):
         return self.out_proj(attn.reshape(b, n, 2 * self.num_heads * self.head_dim))
 
     def forward(self, x, cache=None, position_offset=0):
+        self._check_x(x)
         if cache is not None:
             return self._forward_cached(x, cache)
         q, k, v = self._qkv(x, position_offset)
@@ -429,10 +491,11 @@ class MultiheadDiffAttnV1(_Module):
 
     def make_cache(self, batch, capacity, dtype=None):
         """A KV cache for batch sequences of up to capacity tokens (dtype: the
-        parameters', or e.g. torch.bfloat16 for half the bytes)."""
+        parameters', torch.bfloat16 or torch.float16 for half the bytes, "int8" or
+        "float8_e4m3" for a quarter of float32's, with one scale per row)."""
         d = self.head_dim
-        return KVCache(batch, capacity, 2 * self.num_kv_heads, d, self.num_kv_heads, 2 * d,
-                       dtype or self.q_proj.weight.dtype)
+        return self._new_cache(batch, capacity, 2 * self.num_kv_heads, d, self.num_kv_heads,
+                               2 * d, dtype)
 
     @torch.no_grad()
     def _forward_cached(self, x, cache):
@@ -440,8 +503,9 @@ class MultiheadDiffAttnV1(_Module):
         q, k, v = self._qkv(x, cache.size())
         lens = cache._append("MultiheadDiffAttnV1.forward", k, v)
         lam = float(self.lambda_full())
+        kc, vc, scales = cache._kernel_args()
         out, _ = _C.diff_attention_v1_kvcache(
-            _np(q), _np(cache.k), _np(cache.v), lam, lens,
+            _np(q), kc, vc, lam, lens, **scales,
             **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
         return self._out(_torch(out))
 
@@ -495,6 +559,7 @@ class MultiheadDiffAttnV2(_Module):
         return self.o_proj(attn.reshape(b, n, self.num_heads * self.head_dim))
 
     def forward(self, x, cache=None, position_offset=0):
+        self._check_x(x)
         if cache is not None:
             return self._forward_cached(x, cache)
         q, k, v, logit = self._qkv(x, position_offset)
@@ -505,17 +570,19 @@ class MultiheadDiffAttnV2(_Module):
 
     def make_cache(self, batch, capacity, dtype=None):
         """A KV cache for batch sequences of up to capacity tokens: the baseline's,
-        num_kv_heads heads of head_dim for keys and values."""
+        num_kv_heads heads of head_dim for keys and values (dtype as
+        MultiheadDiffAttnV1.make_cache's)."""
         hd = self.head_dim
-        return KVCache(batch, capacity, self.num_kv_heads, hd, self.num_kv_heads, hd,
-                       dtype or self.q_proj.weight.dtype)
+        return self._new_cache(batch, capacity, self.num_kv_heads, hd, self.num_kv_heads, hd,
+                               dtype)
 
     @torch.no_grad()
     def _forward_cached(self, x, cache):
         self._check_cache_use(cache)
         q, k, v, logit = self._qkv(x, cache.size())
         lens = cache._append("MultiheadDiffAttnV2.forward", k, v)
+        kc, vc, scales = cache._kernel_args()
         out, _ = _C.diff_attention_v2_kvcache(
-            _np(q), _np(cache.k), _np(cache.v), _np(logit), lens,
+            _np(q), kc, vc, _np(logit), lens, **scales,
             **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
         return self._out(_torch(out))

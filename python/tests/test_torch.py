@@ -244,6 +244,65 @@ def test_cached_decoding(version):
         layer(torch.randn(2, 7, e, dtype=torch.float64), cache)
 
 
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("kind,tol", [("int8", 1e-2), ("float8_e4m3", 6e-2)])
+def test_cached_decoding_from_8bit_caches(version, kind, tol):
+    # tol: the C++ layers' 8-bit tolerance (test_quant.cpp), relative to max |y|
+    torch.manual_seed(11)
+    cls = dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2
+    layer = cls(64, 2, 2, 1)
+    x = torch.randn(2, 40, 64)
+
+    def decode(lay, xs, cache):
+        with torch.no_grad():
+            return torch.cat([lay(xs[:, :9], cache)] +
+                             [lay(xs[:, i:i + 1], cache) for i in range(9, 40)], 1)
+
+    with torch.no_grad():
+        full = layer(x)
+    c8, cf = layer.make_cache(2, 48, kind), layer.make_cache(2, 48)
+    y8, yf = decode(layer, x, c8), decode(layer, x, cf)
+    assert torch.allclose(yf, full, atol=1e-5)
+    # the rows held are quantize_rows of the float cache's rows, bit for bit
+    for rows, scale, wide in ((c8.k, c8.k_scale, cf.k), (c8.v, c8.v_scale, cf.v)):
+        q, s = diffattn.quantize_rows(wide[:, :40].numpy(), kind)
+        assert np.array_equal(rows[:, :40].numpy(), q) and np.array_equal(scale[:, :40].numpy(), s)
+    err = ((y8 - full).abs().max() / full.abs().max()).item()
+    assert 0 < err <= tol, err
+    # one byte a value and a float scale a row, against four bytes a value
+    rows = [t.numel() // t.shape[-1] for t in (cf.k, cf.v)]
+    widths = [t.shape[-1] for t in (cf.k, cf.v)]
+    assert c8.bytes() == sum(r * (w + 4) for r, w in zip(rows, widths))
+    assert cf.bytes() == sum(r * w * 4 for r, w in zip(rows, widths))
+    # a bfloat16 twin reads the same 8-bit rows with bfloat16 queries: within tol
+    # plus twice its own error on the whole sequence, as in C++
+    narrow = cls(64, 2, 2, 1, dtype=torch.bfloat16)
+    narrow.load_state_dict(layer.state_dict())
+    xb = x.bfloat16()
+    with torch.no_grad():
+        e_b = ((narrow(xb).float() - layer(xb.float())).abs().max() / full.abs().max()).item()
+    yb = decode(narrow, xb, narrow.make_cache(2, 48, kind)).float()
+    with torch.no_grad():
+        ref_b = layer(xb.float())
+    assert ((yb - ref_b).abs().max() / ref_b.abs().max()).item() <= tol + 2 * e_b
+    # a non-finite value has no scale: the append fails and the cache is as it was
+    bad = torch.randn(2, 3, 64)
+    bad[1, 2, 5] = float("inf")
+    held = c8.k.clone(), c8.k_scale.clone()
+    with pytest.raises(ValueError, match=f"{cls.__name__}.forward: quantize_rows: .* only finite values have a scale"):
+        with torch.no_grad():
+            layer(bad, c8)
+    assert c8.size() == 40
+    assert torch.equal(c8.k[:, :40], held[0][:, :40])
+    assert torch.equal(c8.k_scale[:, :40], held[1][:, :40])
+    with pytest.raises(ValueError, match="8-bit cache takes queries of float32, bfloat16 or float16"):
+        cls(64, 2, 2, 1, dtype=torch.float64).make_cache(2, 8, kind)
+    with pytest.raises(ValueError, match="make_cache: dtype must be"):
+        layer.make_cache(2, 8, "int4")
+    with pytest.raises(ValueError, match=r"forward: x has shape \(2, 5, 32\), expected \(B, N, 64\)"):
+        layer(torch.randn(2, 5, 32))
+
+
 def test_training_with_a_torch_optimizer():
     torch.manual_seed(3)
     layer = dt.MultiheadDiffAttnV2(32, 0, 2, 1)
