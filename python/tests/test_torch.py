@@ -289,17 +289,18 @@ def test_cached_decoding_from_8bit_caches(version, kind, tol):
     bad = torch.randn(2, 3, 64)
     bad[1, 2, 5] = float("inf")
     held = c8.k.clone(), c8.k_scale.clone()
-    with pytest.raises(ValueError, match=f"{cls.__name__}.forward: quantize_rows: .* only finite values have a scale"):
+    msg = f"{cls.__name__}.forward: quantize_rows: .* only finite values have a scale"
+    with pytest.raises(ValueError, match=msg):
         with torch.no_grad():
             layer(bad, c8)
     assert c8.size() == 40
     assert torch.equal(c8.k[:, :40], held[0][:, :40])
     assert torch.equal(c8.k_scale[:, :40], held[1][:, :40])
-    with pytest.raises(ValueError, match="8-bit cache takes queries of float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="8-bit cache takes queries of float32, bfloat16"):
         cls(64, 2, 2, 1, dtype=torch.float64).make_cache(2, 8, kind)
     with pytest.raises(ValueError, match="make_cache: dtype must be"):
         layer.make_cache(2, 8, "int4")
-    with pytest.raises(ValueError, match=r"forward: x has shape \(2, 5, 32\), expected \(B, N, 64\)"):
+    with pytest.raises(ValueError, match=r"x has shape \(2, 5, 32\), expected \(B, N, 64\)"):
         layer(torch.randn(2, 5, 32))
 
 
