@@ -4,6 +4,9 @@
 // handed to numpy without a copy.
 #include "common.hpp"
 
+#include <mutex>
+#include <utility>
+
 namespace diffattn_py {
 namespace {
 
@@ -14,6 +17,33 @@ using diffattn::MultiheadDiffAttnV1;
 using diffattn::MultiheadDiffAttnV2;
 using diffattn::PackedSequences;
 using diffattn::Tensor;
+
+/// A layer or cache as Python holds it: with a mutex. The methods release the
+/// GIL while they run, so calls on one object from several Python threads take
+/// turns on it (a layer's forward keeps what its backward needs, a cache's
+/// append moves its size) instead of racing on its state.
+template <class Base>
+struct Shared : Base {
+  template <class... A>
+  explicit Shared(A&&... a) : Base(std::forward<A>(a)...) {}
+  mutable std::mutex busy;
+};
+
+/// f() with the GIL released and the objects' mutexes held (a layer, or a
+/// layer and its cache: std::scoped_lock takes both without deadlock).
+template <class F, class... O>
+auto exclusively(F&& f, const O&... objects) {
+  py::gil_scoped_release nogil;
+  std::scoped_lock hold(objects.busy...);
+  return f();
+}
+
+/// A new Shared<T> from a T (moved), handed to Python to own.
+template <class T>
+py::object share(T&& t) {
+  return py::cast(new Shared<std::decay_t<T>>(std::forward<T>(t)),
+                  py::return_value_policy::take_ownership);
+}
 
 /// The tensor as a numpy array that owns it (no copy).
 template <class T, std::size_t R>
@@ -40,29 +70,37 @@ py::array view_array(T* data, const std::vector<index_t>& shape, const py::handl
 
 template <class S>
 void bind_cache(py::module_& m, const char* name) {
-  using Cache = KVCache<S>;
+  using Cache = Shared<KVCache<S>>;
   auto rows = [](const py::object& self, const diffattn::TensorView<const S, 4>& t) {
     return view_array<const S>(t.data(), {t.shape(0), t.shape(1), t.shape(2), t.shape(3)}, self,
                                false, {t.stride(0), t.stride(1), t.stride(2), t.stride(3)});
   };
   py::class_<Cache>(m, name, "A layer's KV cache (made by its make_cache).")
-      .def("size", &Cache::size, "Tokens seen: the position of the next token.")
-      .def("capacity", &Cache::capacity)
-      .def("batch", &Cache::batch)
-      .def("stored", &Cache::stored)
-      .def("bytes", &Cache::bytes)
-      .def("clear", &Cache::clear)
+      .def("size", [](Cache& c) { return exclusively([&] { return c.size(); }, c); },
+           "Tokens seen: the position of the next token.")
+      .def("capacity", [](const Cache& c) { return c.capacity(); })
+      .def("batch", [](const Cache& c) { return c.batch(); })
+      .def("stored", [](Cache& c) { return exclusively([&] { return c.stored(); }, c); })
+      .def("bytes", [](const Cache& c) { return c.bytes(); })
+      .def("clear", [](Cache& c) { exclusively([&] { c.clear(); }, c); })
       .def("keys",
-           [rows](const py::object& self) { return rows(self, self.cast<Cache&>().keys()); },
+           [rows](const py::object& self) {
+             Cache& c = self.cast<Cache&>();
+             return rows(self, exclusively([&] { return c.keys(); }, c));
+           },
            "The held keys (B, stored, Hk, dk) after rotary: a read-only view.")
       .def("values",
-           [rows](const py::object& self) { return rows(self, self.cast<Cache&>().values()); },
+           [rows](const py::object& self) {
+             Cache& c = self.cast<Cache&>();
+             return rows(self, exclusively([&] { return c.values(); }, c));
+           },
            "The held values (B, stored, Hv, dv): a read-only view.")
       .def_property_readonly_static("dtype", [](const py::object&) { return np_dtype<S>(); })
-      .def("__repr__", [name](const Cache& c) {
+      .def("__repr__", [name](Cache& c) {
+        const auto [size, capacity] =
+            exclusively([&] { return std::make_pair(c.size(), c.capacity()); }, c);
         return std::string(name) + "(batch=" + std::to_string(c.batch()) +
-               ", size=" + std::to_string(c.size()) + ", capacity=" +
-               std::to_string(c.capacity()) + ")";
+               ", size=" + std::to_string(size) + ", capacity=" + std::to_string(capacity) + ")";
       });
 }
 
@@ -79,14 +117,14 @@ py::object make_cache(const L& l, index_t batch, index_t capacity, const py::obj
       fail("make_cache", "a ", py::str(np_dtype<T>().attr("name")).operator std::string(),
            " layer's cache holds its own type, bfloat16, float16",
            std::is_same<T, float>::value ? ", int8 or float8_e4m3" : "", "; got ", want);
-    return py::cast(l.template make_cache<T>(batch, capacity));
+    return share(l.template make_cache<T>(batch, capacity));
   }
-  if (want == "bfloat16") return py::cast(l.template make_cache<bfloat16>(batch, capacity));
-  if (want == "float16") return py::cast(l.template make_cache<half>(batch, capacity));
+  if (want == "bfloat16") return share(l.template make_cache<bfloat16>(batch, capacity));
+  if (want == "float16") return share(l.template make_cache<half>(batch, capacity));
   if constexpr (std::is_same<T, float>::value) {
-    if (want == "int8") return py::cast(l.template make_cache<std::int8_t>(batch, capacity));
+    if (want == "int8") return share(l.template make_cache<std::int8_t>(batch, capacity));
     if (want == "float8_e4m3" || want == "e4m3")
-      return py::cast(l.template make_cache<float8_e4m3>(batch, capacity));
+      return share(l.template make_cache<float8_e4m3>(batch, capacity));
   }
   fail("make_cache", "dtype must be the layer's own, \"bfloat16\", \"float16\"",
        std::is_same<T, float>::value ? ", \"int8\" or \"float8_e4m3\"" : "", "; got ", want);
@@ -97,15 +135,10 @@ void def_cached_forward(py::class_<L>& c) {
   using T = typename L::value_type;
   c.def(
       "forward",
-      [](L& l, const py::handle& x_, KVCache<S>& cache) {
+      [](L& l, const py::handle& x_, Shared<KVCache<S>>& cache) {
         const py::array x = as_array(x_);
         const auto xv = view_of<const T, 3>("forward", "x", x);
-        Tensor<T, 3> y;
-        {
-          py::gil_scoped_release nogil;
-          y = l.forward(xv, cache);
-        }
-        return to_numpy(std::move(y));
+        return to_numpy(exclusively([&] { return l.forward(xv, cache); }, l, cache));
       },
       py::arg("x"), py::arg("cache"));
 }
@@ -119,12 +152,7 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
        [](L& l, const py::handle& x_, index_t offset) {
          const py::array x = as_array(x_);
          const auto xv = view_of<const T, 3>("forward", "x", x);
-         Tensor<T, 3> y;
-         {
-           py::gil_scoped_release nogil;
-           y = l.forward(xv, offset);
-         }
-         return to_numpy(std::move(y));
+         return to_numpy(exclusively([&] { return l.forward(xv, offset); }, l));
        },
        py::arg("x"), py::arg("position_offset") = 0,
        "y (B, N, E) from x (B, N, E); keeps what backward needs.")
@@ -133,12 +161,7 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
           [](L& l, const py::handle& x_, const PackedSequences& seqs) {
             const py::array x = as_array(x_);
             const auto xv = view_of<const T, 3>("forward", "x", x);
-            Tensor<T, 3> y;
-            {
-              py::gil_scoped_release nogil;
-              y = l.forward(xv, seqs);
-            }
-            return to_numpy(std::move(y));
+            return to_numpy(exclusively([&] { return l.forward(xv, seqs); }, l));
           },
           py::arg("x"), py::arg("seqs"));
   def_cached_forward<L, T>(c);
@@ -153,12 +176,7 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
        [](L& l, const py::handle& dy_) {
          const py::array dy = as_array(dy_);
          const auto v = view_of<const T, 3>("backward", "dy", dy);
-         Tensor<T, 3> dx;
-         {
-           py::gil_scoped_release nogil;
-           dx = l.backward(v);
-         }
-         return to_numpy(std::move(dx));
+         return to_numpy(exclusively([&] { return l.backward(v); }, l));
        },
        py::arg("dy"), "dx from dy = dL/dy after forward; ADDS the parameters' gradients.")
       .def(
@@ -183,9 +201,10 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
             return d;
           },
           "The accumulated gradients, keyed and shaped as parameters(): views.")
-      .def("zero_grad", &L::zero_grad)
-      .def("set_num_threads", &L::set_num_threads, py::arg("n"))
-      .def("num_parameters", &L::num_parameters)
+      .def("zero_grad", [](L& l) { exclusively([&] { l.zero_grad(); }, l); })
+      .def("set_num_threads",
+           [](L& l, int n) { exclusively([&] { l.set_num_threads(n); }, l); }, py::arg("n"))
+      .def("num_parameters", [](const L& l) { return l.num_parameters(); })
       .def("parameter_shapes",
            [](const L& l) {
              py::dict d;
@@ -193,7 +212,12 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
                d[py::str(kv.first)] = py::tuple(py::cast(kv.second));
              return d;
            })
-      .def("save_safetensors", &L::save_safetensors, py::arg("path"), py::arg("prefix") = "")
+      .def(
+          "save_safetensors",
+          [](L& l, const std::string& path, const std::string& prefix) {
+            exclusively([&] { l.save_safetensors(path, prefix); }, l);
+          },
+          py::arg("path"), py::arg("prefix") = "")
       .def(
           "make_cache",
           [](const L& l, index_t batch, index_t capacity, const py::object& dtype) {
@@ -208,12 +232,7 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
           [](const L& l, const py::handle& x_, index_t offset) {
             const py::array x = as_array(x_);
             const auto xv = view_of<const T, 3>("attention_maps", "x", x);
-            Tensor<T, 4> w;
-            {
-              py::gil_scoped_release nogil;
-              w = l.attention_maps(xv, offset);
-            }
-            return to_numpy(std::move(w));
+            return to_numpy(exclusively([&] { return l.attention_maps(xv, offset); }, l));
           },
           py::arg("x"), py::arg("position_offset") = 0,
           "The materialised maps W = A1 - lambda A2 (B, H, N, N), for analysis.")
@@ -231,7 +250,7 @@ py::class_<L> bind_layer_common(py::module_& m, const char* name) {
 
 template <class T>
 void bind_v1(py::module_& m, const char* name) {
-  using L = MultiheadDiffAttnV1<T>;
+  using L = Shared<MultiheadDiffAttnV1<T>>;
   auto c = bind_layer_common<L>(m, name);
   c.def(py::init([](index_t e, int depth, index_t h, index_t hkv, bool causal, bool rope,
                     bool norm_affine, double rope_base, index_t wl, index_t wr, index_t hd,
@@ -261,7 +280,10 @@ void bind_v1(py::module_& m, const char* name) {
         py::arg("softcap") = 0.0, py::arg("alibi") = false, py::arg("sinks") = false,
         py::arg("seed") = 0)
       .def("lambda_init", [](const L& l) { return l.lambda_init(); })
-      .def("lambda_full", [](const L& l) { return static_cast<double>(l.lambda_full()); })
+      .def("lambda_full",
+           [](const L& l) {
+             return exclusively([&] { return static_cast<double>(l.lambda_full()); }, l);
+           })
       .def_property_readonly("depth", [](const L& l) { return l.config().depth; })
       .def(
           "load_safetensors",
@@ -269,16 +291,16 @@ void bind_v1(py::module_& m, const char* name) {
             if (layout != "native" && layout != "diffllama")
               fail("MultiheadDiffAttnV1::load_safetensors",
                    "layout must be \"native\" or \"diffllama\", got \"", layout, "\"");
-            l.load_safetensors(path, prefix,
-                               layout == "native" ? diffattn::WeightLayout::native
-                                                  : diffattn::WeightLayout::diffllama);
+            const auto w = layout == "native" ? diffattn::WeightLayout::native
+                                              : diffattn::WeightLayout::diffllama;
+            exclusively([&] { l.load_safetensors(path, prefix, w); }, l);
           },
           py::arg("path"), py::arg("prefix") = "", py::arg("layout") = "native");
 }
 
 template <class T>
 void bind_v2(py::module_& m, const char* name) {
-  using L = MultiheadDiffAttnV2<T>;
+  using L = Shared<MultiheadDiffAttnV2<T>>;
   auto c = bind_layer_common<L>(m, name);
   c.def(py::init([](index_t e, const py::object& /*depth*/, index_t h, index_t hkv, index_t hd,
                     bool causal, bool rope, double rope_base, index_t wl, index_t wr,
@@ -303,7 +325,12 @@ void bind_v2(py::module_& m, const char* name) {
         py::arg("rope_base") = 10000.0, py::arg("window_left") = -1, py::arg("window_right") = -1,
         py::arg("softcap") = 0.0, py::arg("alibi") = false, py::arg("sinks") = false,
         py::arg("seed") = 0)
-      .def("load_safetensors", &L::load_safetensors, py::arg("path"), py::arg("prefix") = "");
+      .def(
+          "load_safetensors",
+          [](L& l, const std::string& path, const std::string& prefix) {
+            exclusively([&] { l.load_safetensors(path, prefix); }, l);
+          },
+          py::arg("path"), py::arg("prefix") = "");
 }
 
 }  // namespace

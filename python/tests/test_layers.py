@@ -200,3 +200,41 @@ def test_layer_score_modifiers():
     p["sinks"][:] += eps * u
     num = (plus - minus) / (2 * eps)
     assert abs(num - np.sum(layer.gradients()["sinks"] * u)) <= 1e-7 * max(1, abs(num))
+
+
+def test_one_layer_from_several_threads():
+    # The layers release the GIL: calls on one layer (and on one cache) from
+    # several Python threads take turns on it instead of racing on its state.
+    import threading
+
+    layer = diffattn.MultiheadDiffAttnV2(128, 1, 4, 2, seed=3)
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((1, n, 128)).astype(np.float32) for n in (48, 130, 17, 96)]
+    want = [layer.forward(x) for x in xs]
+    cache = layer.make_cache(1, 64 * 4 * 8)
+    failures = []
+
+    def work(i):
+        try:
+            for it in range(60):
+                j = (i + it) % 4
+                if not np.array_equal(layer.forward(xs[j]), want[j]):
+                    failures.append(f"thread {i} step {it}: forward differs")
+                if it % 4 == 0:
+                    try:
+                        layer.backward(np.ones((1, 48, 128), np.float32))
+                    except ValueError as e:  # another thread's call came last
+                        assert "last forward" in str(e) or "before forward" in str(e), str(e)
+                if it % 8 == 0:
+                    layer.forward(xs[0][:, :1], cache)
+                    cache.keys()
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(f"thread {i}: {e!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+    assert cache.size() == 4 * 8
