@@ -31,7 +31,9 @@ from . import _diffattn as _C
 
 __all__ = [
     "diff_attention_v1", "diff_attention_v2", "attention", "DiffAttnV1Function",
-    "DiffAttnV2Function", "AttentionFunction", "MultiheadDiffAttnV1", "MultiheadDiffAttnV2",
+    "DiffAttnV2Function", "AttentionFunction", "diff_attention_v1_varlen",
+    "diff_attention_v2_varlen", "attention_varlen", "DiffAttnV1VarlenFunction",
+    "DiffAttnV2VarlenFunction", "AttentionVarlenFunction", "MultiheadDiffAttnV1", "MultiheadDiffAttnV2",
     "RMSNorm", "KVCache", "apply_rope", "lambda_init", "standard_alibi_slopes",
 ]
 
@@ -221,6 +223,154 @@ def attention(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0
     """Differentiable plain attention: q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv)."""
     return AttentionFunction.apply(q, k, v, causal, window_left, window_right, scale, num_threads,
                                    softcap, alibi_slopes, sinks)
+
+
+def _offsets(cu, name):
+    """Packed-batch offsets for the kernels, kept for the backward: a
+    PackedSequences as it is, a tensor, array or list as a numpy copy (the
+    kernels refuse non-integer dtypes)."""
+    if cu is None or isinstance(cu, _C.PackedSequences):
+        return cu
+    if torch.is_tensor(cu):
+        if cu.device.type != "cpu":
+            raise ValueError(f"diffattn.torch: {name} is on {cu.device}; offsets live on the CPU")
+        cu = cu.detach().numpy()
+    return np.array(cu)
+
+
+class DiffAttnV1VarlenFunction(torch.autograd.Function):
+    """diff_attention_v1_varlen with its backward: packed q (T, 2H, d), k (T_k,
+    2Hkv, d), v (T_k, Hkv, 2d), sequences by offsets."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_, cu_q, cu_k=None, causal=False, window_left=-1,
+                window_right=-1, scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None,
+                sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
+        lam = float(lambda_) if lambda_.dim() == 0 else _np(
+            lambda_.to(torch.float32 if q.dtype in _HALF else q.dtype), "lambda_")
+        out, lse = _C.diff_attention_v1_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, cu_q,
+                                               cu_seqlens_k=cu_k, **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, lambda_, out, lse)
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, lambda_, out, lse = ctx.saved_tensors
+        s, g = q.dtype, _grad_dtype(q)
+        lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
+        ds = _dsinks(ctx.sinks, g)
+        dq, dk, dv, dl = _C.diff_attention_v1_varlen_backward(
+            _np(q), _store(k, s), _store(v, s), lam, _np(out), _np(lse), _store(dout, s),
+            ctx.cu[0], cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
+        dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
+            _torch(dl).to(lambda_.dtype)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
+                None, None, None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
+
+
+class DiffAttnV2VarlenFunction(torch.autograd.Function):
+    """diff_attention_v2_varlen with its backward: packed q (T, 2H, d), k, v (T_k,
+    Hkv, d), lambda_logit (T, H)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_logit, cu_q, cu_k=None, causal=False, window_left=-1,
+                window_right=-1, scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None,
+                sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
+        out, lse = _C.diff_attention_v2_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"),
+                                               _np(lambda_logit, "lambda_logit"), cu_q,
+                                               cu_seqlens_k=cu_k, **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, lambda_logit, out, lse)
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, logit, out, lse = ctx.saved_tensors
+        s = q.dtype
+        ds = _dsinks(ctx.sinks, _grad_dtype(q))
+        dq, dk, dv, dlog = _C.diff_attention_v2_varlen_backward(
+            _np(q), _store(k, s), _store(v, s), _store(logit, s), _np(out), _np(lse),
+            _store(dout, s), ctx.cu[0], cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
+                _torch(dlog).to(logit.dtype), None, None, None, None, None, None, None, None, None,
+                _grad_sinks(ctx.sinks, ds))
+
+
+class AttentionVarlenFunction(torch.autograd.Function):
+    """attention_varlen with its backward: packed q (T, Hq, d), k (T_k, Hkv, d),
+    v (T_k, Hkv, dv)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k=None, causal=False, window_left=-1, window_right=-1,
+                scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+                  sinks)
+        out, lse = _C.attention_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"), cu_q,
+                                       cu_seqlens_k=cu_k, **o)
+        out, lse = _torch(out), _torch(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        s = q.dtype
+        ds = _dsinks(ctx.sinks, _grad_dtype(q))
+        dq, dk, dv = _C.attention_varlen_backward(
+            _np(q), _store(k, s), _store(v, s), _np(out), _np(lse), _store(dout, s), ctx.cu[0],
+            cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
+        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
+                None, None, None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
+
+
+def diff_attention_v1_varlen(q, k, v, lambda_, cu_seqlens_q, cu_seqlens_k=None, *, causal=False,
+                             window_left=-1, window_right=-1, scale=0.0, num_threads=0,
+                             softcap=0.0, alibi_slopes=None, sinks=None):
+    """Differentiable diff_attention_v1 over a packed batch (FlashAttention's varlen
+    layout): q (T, 2H, d), k (T_k, 2Hkv, d), v (T_k, Hkv, 2d) -> out (T, H, 2d).
+    cu_seqlens_q: the B + 1 offsets of the sequences in q (a list, an integer tensor
+    or array, or a diffattn.PackedSequences holding both), cu_seqlens_k those in k
+    and v when they differ; masks, windows and modifiers act within each sequence."""
+    if not torch.is_tensor(lambda_):
+        lambda_ = torch.tensor(float(lambda_), dtype=_grad_dtype(q))
+    return DiffAttnV1VarlenFunction.apply(
+        q, k, v, lambda_, _offsets(cu_seqlens_q, "cu_seqlens_q"),
+        _offsets(cu_seqlens_k, "cu_seqlens_k"), causal, window_left, window_right, scale,
+        num_threads, softcap, alibi_slopes, sinks)
+
+
+def diff_attention_v2_varlen(q, k, v, lambda_logit, cu_seqlens_q, cu_seqlens_k=None, *,
+                             causal=False, window_left=-1, window_right=-1, scale=0.0,
+                             num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+    """Differentiable diff_attention_v2 over a packed batch: q (T, 2H, d), k, v
+    (T_k, Hkv, d), lambda_logit (T, H) -> out (T, H, d); offsets as
+    diff_attention_v1_varlen's."""
+    return DiffAttnV2VarlenFunction.apply(
+        q, k, v, lambda_logit, _offsets(cu_seqlens_q, "cu_seqlens_q"),
+        _offsets(cu_seqlens_k, "cu_seqlens_k"), causal, window_left, window_right, scale,
+        num_threads, softcap, alibi_slopes, sinks)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, window_left=-1,
+                     window_right=-1, scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None,
+                     sinks=None):
+    """Differentiable plain attention over a packed batch: q (T, Hq, d), k (T_k,
+    Hkv, d), v (T_k, Hkv, dv) -> out (T, Hq, dv); offsets as
+    diff_attention_v1_varlen's."""
+    return AttentionVarlenFunction.apply(
+        q, k, v, _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k"),
+        causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes, sinks)
 
 
 def _rotate(x, cos, sin):

@@ -205,6 +205,13 @@ out (B, N, H, d), lse (B, 2H, N).)doc");
 q (B, N, Hq, d), k (B, M, Hkv, d), v (B, M, Hkv, dv); out (B, N, Hq, dv), lse (B, Hq, N).)doc");
 }
 
+/// The dsinks= output of a backward (empty when not given).
+template <class C>
+diffattn::TensorView<C, 1> dsinks_view(const char* fn, const py::object& dsinks) {
+  if (dsinks.is_none()) return diffattn::TensorView<C, 1>();
+  return view_of<C, 1>(fn, "dsinks", as_array(dsinks));
+}
+
 void bind_backward(py::module_& m) {
   m.def(
       "diff_attention_v1_backward",
@@ -618,7 +625,8 @@ lse (2H, T).)doc");
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::object& lam,
          const py::handle& out_, const py::handle& lse_, const py::handle& dout_,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v1_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
                         lse = as_array(lse_), dout = as_array(dout_);
@@ -629,6 +637,7 @@ lse (2H, T).)doc");
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          const auto dsv = dsinks_view<C>(fn, dsinks_);
           const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
             C dl = 0;
@@ -636,7 +645,7 @@ lse (2H, T).)doc");
               py::gil_scoped_release nogil;
               diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, static_cast<C>(l.value),
                                                              a.out, a.lse, a.dout, a.dqv, a.dkv,
-                                                             a.dvv, dl, seqs, o);
+                                                             a.dvv, dl, seqs, o, dsv);
             }
             return py::make_tuple(a.dq, a.dk, a.dv, py::float_(static_cast<double>(dl)));
           }
@@ -646,22 +655,24 @@ lse (2H, T).)doc");
           {
             py::gil_scoped_release nogil;
             diffattn::diff_attention_v1_varlen_backward<T>(a.q, a.k, a.v, lh, a.out, a.lse, a.dout,
-                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o);
+                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o, dsv);
           }
           return py::make_tuple(a.dq, a.dk, a.dv, dl);
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_"), py::arg("out"), py::arg("lse"),
       py::arg("dout"), py::arg("seqs"), py::kw_only(), py::arg("cu_seqlens_k") = py::none(),
-      DIFFATTN_PY_OPTION_ARGS,
-      R"doc(Backward of diff_attention_v1_varlen: returns (dq, dk, dv, dlambda).)doc");
+      DIFFATTN_PY_OPTION_ARGS, py::arg("dsinks") = py::none(),
+      R"doc(Backward of diff_attention_v1_varlen: returns (dq, dk, dv, dlambda); dsinks= (2H)
+receives the sinks' gradient.)doc");
 
   m.def(
       "diff_attention_v2_varlen_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& logit_,
          const py::handle& out_, const py::handle& lse_, const py::handle& dout_,
          const py::object& seqs_, const py::object& cu_k, bool causal, index_t wl, index_t wr,
-         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks) {
+         double scale, int nt, double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& dsinks_) {
         constexpr const char* fn = "diff_attention_v2_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_),
                         logit = as_array(logit_), out = as_array(out_), lse = as_array(lse_),
@@ -672,28 +683,31 @@ lse (2H, T).)doc");
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          const auto dsv = dsinks_view<compute_t<T>>(fn, dsinks_);
           const auto gl = view_of<const T, 2>(fn, "lambda_logit", logit);
           py::array dlog = new_array<T, 2>(gl.shape());
           const auto dlv = view_of<T, 2>(fn, "dlambda_logit", dlog);
           {
             py::gil_scoped_release nogil;
             diffattn::diff_attention_v2_varlen_backward<T>(a.q, a.k, a.v, gl, a.out, a.lse, a.dout,
-                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o);
+                                                           a.dqv, a.dkv, a.dvv, dlv, seqs, o, dsv);
           }
           return py::make_tuple(a.dq, a.dk, a.dv, dlog);
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("lambda_logit"), py::arg("out"),
       py::arg("lse"), py::arg("dout"), py::arg("seqs"), py::kw_only(),
-      py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS,
-      R"doc(Backward of diff_attention_v2_varlen: returns (dq, dk, dv, dlambda_logit).)doc");
+      py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS, py::arg("dsinks") = py::none(),
+      R"doc(Backward of diff_attention_v2_varlen: returns (dq, dk, dv, dlambda_logit); dsinks= (2H)
+receives the sinks' gradient.)doc");
 
   m.def(
       "attention_varlen_backward",
       [](const py::handle& q_, const py::handle& k_, const py::handle& v_, const py::handle& out_,
          const py::handle& lse_, const py::handle& dout_, const py::object& seqs_,
          const py::object& cu_k, bool causal, index_t wl, index_t wr, double scale, int nt,
-         double softcap, const py::object& alibi, const py::object& sinks) {
+         double softcap, const py::object& alibi, const py::object& sinks,
+         const py::object& dsinks_) {
         constexpr const char* fn = "attention_varlen_backward";
         const py::array q = as_array(q_), k = as_array(k_), v = as_array(v_), out = as_array(out_),
                         lse = as_array(lse_), dout = as_array(dout_);
@@ -703,17 +717,20 @@ lse (2H, T).)doc");
         return visit_float(fn, "q", dtype_of(q), [&](auto tag) -> py::object {
           using T = typename decltype(tag)::type;
           const BackwardArgs<T, 3> a(fn, q, k, v, out, lse, dout);
+          const auto dsv = dsinks_view<compute_t<T>>(fn, dsinks_);
           {
             py::gil_scoped_release nogil;
             diffattn::attention_varlen_backward<T>(a.q, a.k, a.v, a.out, a.lse, a.dout, a.dqv,
-                                                   a.dkv, a.dvv, seqs, o);
+                                                   a.dkv, a.dvv, seqs, o, dsv);
           }
           return py::make_tuple(a.dq, a.dk, a.dv);
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
       py::arg("seqs"), py::kw_only(), py::arg("cu_seqlens_k") = py::none(), DIFFATTN_PY_OPTION_ARGS,
-      R"doc(Backward of attention_varlen: returns (dq, dk, dv).)doc");
+      py::arg("dsinks") = py::none(),
+      R"doc(Backward of attention_varlen: returns (dq, dk, dv); dsinks= (Hq) receives the
+sinks' gradient.)doc");
 }
 
 template <class T>

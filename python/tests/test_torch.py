@@ -37,6 +37,68 @@ def test_gradcheck_kernels():
     assert torch.autograd.gradcheck(lambda *a: dt.attention(*a, causal=True), (q, k2, v2))
 
 
+def test_gradcheck_varlen_kernels():
+    # three sequences, one empty, key lengths other than the query lengths;
+    # sinks of a few bits and a step of 2^-16, as in the modules' gradcheck
+    torch.manual_seed(13)
+    cu, cuk = [0, 3, 3, 8], [0, 4, 6, 11]
+    h, hkv, d = 2, 1, 4
+    q, k, v = r(8, 2 * h, d), r(11, 2 * hkv, d), r(11, hkv, 2 * d)
+    lam = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
+    lam_h = torch.tensor([0.3, 0.9], dtype=torch.float64, requires_grad=True)
+    sinks = (torch.randint(-8, 8, (2 * h,)) / 4.0).double().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v1_varlen(*a, cu, cuk, causal=True), (q, k, v, lam))
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v1_varlen(*a[:4], torch.tensor(cu), torch.tensor(cuk),
+                                               window_left=2, sinks=a[4]),
+        (q, k, v, lam_h, sinks), eps=2.0 ** -16)
+    k2, v2, logit = r(11, hkv, d), r(11, hkv, d), r(8, h)
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.diff_attention_v2_varlen(*a[:4], cu, cuk, causal=True, softcap=2.0,
+                                               sinks=a[4]),
+        (q, k2, v2, logit, sinks), eps=2.0 ** -16)
+    seqs = diffattn.PackedSequences.from_lengths([3, 0, 5])
+    assert torch.autograd.gradcheck(
+        lambda *a: dt.attention_varlen(*a[:3], seqs, causal=True,
+                                       alibi_slopes=dt.standard_alibi_slopes(4), sinks=a[3]),
+        (q, k2[:8], v2[:8], sinks), eps=2.0 ** -16)
+
+
+def test_varlen_matches_one_call_per_sequence():
+    torch.manual_seed(14)
+    lengths = [5, 1, 0, 7]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    q, k, v, logit = r(13, 4, 8), r(13, 2, 8), r(13, 2, 8), r(13, 2)
+    out = dt.diff_attention_v2_varlen(q, k, v, logit, torch.tensor(cu), causal=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), (q, k, v, logit))
+    for b, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        if s == e:
+            continue
+        parts = [t[s:e].detach().clone().requires_grad_() for t in (q, k, v, logit)]
+        one = dt.diff_attention_v2(*[t[None] for t in parts], causal=True)[0]
+        assert torch.allclose(out[s:e], one, atol=1e-13)
+        want = torch.autograd.grad((one * g[s:e]).sum(), parts)
+        for got, w in zip(grads, want):
+            assert torch.allclose(got[s:e], w, atol=1e-12)
+    with pytest.raises(ValueError, match="cu_seqlens_q has dtype float32, expected integers"):
+        dt.attention_varlen(q, k, v, torch.tensor(cu, dtype=torch.float32))
+    # bfloat16 through the 16-bit varlen kernels, against float64 on the same values:
+    # the output's rounding, u |y|, and where the kernels round W = A1 - lambda A2 to
+    # bfloat16 (AVX512-BF16), u sum_j |w_ij| |v_jc| <= u (1 + lambda) max |v| <= 2 u max |v|
+    qb, kb, vb, lb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v, logit))
+    ob = dt.diff_attention_v2_varlen(qb, kb, vb, lb, cu, causal=True)
+    assert ob.dtype == torch.bfloat16
+    o64 = dt.diff_attention_v2_varlen(*(t.detach().double() for t in (qb, kb, vb, lb)), cu,
+                                      causal=True)
+    u = 2.0 ** -8
+    bound = u * (1 + 2.0 ** -6) * (o64.abs() + 2 * vb.detach().double().abs().max()) + 1e-5
+    assert torch.all((ob.double() - o64).abs() <= bound)
+    ob.float().sum().backward()
+    assert qb.grad.dtype == torch.bfloat16 and lb.grad.dtype == torch.bfloat16
+
+
 def test_gradcheck_modules():
     x = r(1, 5, 16)
     v1 = dt.MultiheadDiffAttnV1(16, 1, 2, 1, dtype=torch.float64)
