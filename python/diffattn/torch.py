@@ -409,10 +409,16 @@ def apply_rope(x, position_offset=0, base=10000.0):
     """Rotary embedding on interleaved pairs (2i, 2i+1), as the reference's
     apply_rotary_emb(..., interleaved=True) and diffattn::apply_rope: x (B, N, H, D),
     token n at position position_offset + n, angles computed in float64; the same
-    values as x0 cos - x1 sin, x0 sin + x1 cos in x's dtype."""
-    n, d = x.shape[1], x.shape[-1]
+    values as x0 cos - x1 sin, x0 sin + x1 cos in x's dtype. position_offset may
+    also be a tensor of the N positions (a packed batch's, restarting at 0 for
+    each sequence)."""
+    n = x.shape[1]
+    if torch.is_tensor(position_offset):
+        pos = position_offset.to(torch.float64)
+    else:
+        pos = torch.arange(position_offset, position_offset + n, dtype=torch.float64)
+    d = x.shape[-1]
     inv_freq = base ** (-2.0 * torch.arange(d // 2, dtype=torch.float64) / d)
-    pos = torch.arange(position_offset, position_offset + n, dtype=torch.float64)
     angle = pos[:, None] * inv_freq[None, :]  # (N, D/2)
     cos = angle.cos().to(x.dtype)[None, :, None, :]
     sin = angle.sin().to(x.dtype)[None, :, None, :]
@@ -420,6 +426,19 @@ def apply_rope(x, position_offset=0, base=10000.0):
         return _RopeFunction.apply(x, cos, sin)
     with torch.no_grad():
         return _rotate(x, cos, sin)
+
+
+def _packed_positions(cu, n):
+    """The rotary positions of a packed batch of n tokens: t - cu[s] for token t of
+    sequence s (int64 tensor)."""
+    cu = torch.as_tensor(np.asarray(cu.cu_seqlens_q if isinstance(cu, _C.PackedSequences) else cu,
+                                    dtype=np.int64))
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n or \
+            bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {n} tokens of x, "
+                         f"got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    return torch.arange(n, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lengths)
 
 
 class RMSNorm(nn.Module):
@@ -549,6 +568,21 @@ class _Module(nn.Module):
                              f"float32, bfloat16 or float16; this module's parameters are {own}")
         return cache
 
+    def _packed(self, x, cu_seqlens, cache):
+        """The rotary positions and kernel offsets of a packed x (1, T, E)."""
+        name = type(self).__name__
+        if cache is not None:
+            raise ValueError(f"{name}.forward: cu_seqlens (a packed batch) and a cache exclude "
+                             "each other")
+        if x.shape[0] != 1:
+            raise ValueError(f"{name}.forward: a packed batch is x (1, T, E), got "
+                             f"{tuple(x.shape)}")
+        try:
+            pos = _packed_positions(cu_seqlens, x.shape[1])
+        except ValueError as e:
+            raise ValueError(f"{name}.forward: {e}") from None
+        return pos, _offsets(cu_seqlens, "cu_seqlens")
+
     def _check_cache_use(self, cache):
         # The cached forward is for inference: it runs under no_grad.
         if not self.causal:
@@ -574,7 +608,10 @@ class MultiheadDiffAttnV1(_Module):
     reference (q_proj, k_proj, v_proj, out_proj nn.Linear without bias; lambda_q1,
     lambda_k1, lambda_q2, lambda_k2 (head_dim) from N(0, 0.1); subln.weight (2
     head_dim)). forward(x) takes x (B, N, E) and returns (B, N, E); with a cache
-    (make_cache) it runs n new tokens after those cached, without autograd.
+    (make_cache) it runs n new tokens after those cached, without autograd; with
+    cu_seqlens (the B + 1 offsets of sequences packed in x (1, T, E), or a
+    diffattn.PackedSequences) each sequence attends only to itself, its rotary
+    positions starting at 0, through the varlen kernels (with autograd).
 
     Score modifiers, as DiffAttnV1Config: softcap (> 0: softcap tanh(s / softcap)),
     alibi (True: ALiBi with standard_alibi_slopes(2 num_heads), one slope per
@@ -629,8 +666,16 @@ class MultiheadDiffAttnV1(_Module):
         attn = self.subln(attn) * (1 - self.lambda_init)
         return self.out_proj(attn.reshape(b, n, 2 * self.num_heads * self.head_dim))
 
-    def forward(self, x, cache=None, position_offset=0):
+    def forward(self, x, cache=None, position_offset=0, cu_seqlens=None):
         self._check_x(x)
+        if cu_seqlens is not None:
+            pos, cu = self._packed(x, cu_seqlens, cache)
+            q, k, v = self._qkv(x, pos)
+            attn = DiffAttnV1VarlenFunction.apply(
+                q[0], k[0], v[0], self.lambda_full(), cu, None, self.causal, self.window_left,
+                self.window_right, 0.0, self.num_threads, self.softcap, self._alibi_slopes,
+                self.sinks)
+            return self._out(attn[None])
         if cache is not None:
             return self._forward_cached(x, cache)
         q, k, v = self._qkv(x, position_offset)
@@ -668,6 +713,8 @@ class MultiheadDiffAttnV2(_Module):
     DIFF heads (2 num_heads query heads) of head_dim = embed_dim / num_heads,
     num_kv_heads kv heads; q_proj, k_proj, v_proj, o_proj, lambda_proj nn.Linear
     without bias. depth is the reference signature's, unused (no lambda_init).
+    forward(x, cache=None, position_offset=0, cu_seqlens=None) as
+    MultiheadDiffAttnV1's.
 
     Score modifiers, as DiffAttnV2Config: softcap, alibi (standard_alibi_slopes(2
     num_heads), one slope per query head) and sinks (the parameter `sinks` (2
@@ -708,8 +755,16 @@ class MultiheadDiffAttnV2(_Module):
         b, n = attn.shape[:2]
         return self.o_proj(attn.reshape(b, n, self.num_heads * self.head_dim))
 
-    def forward(self, x, cache=None, position_offset=0):
+    def forward(self, x, cache=None, position_offset=0, cu_seqlens=None):
         self._check_x(x)
+        if cu_seqlens is not None:
+            pos, cu = self._packed(x, cu_seqlens, cache)
+            q, k, v, logit = self._qkv(x, pos)
+            attn = DiffAttnV2VarlenFunction.apply(
+                q[0], k[0], v[0], logit[0], cu, None, self.causal, self.window_left,
+                self.window_right, 0.0, self.num_threads, self.softcap, self._alibi_slopes,
+                self.sinks)
+            return self._out(attn[None])
         if cache is not None:
             return self._forward_cached(x, cache)
         q, k, v, logit = self._qkv(x, position_offset)

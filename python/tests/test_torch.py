@@ -99,6 +99,43 @@ def test_varlen_matches_one_call_per_sequence():
     assert qb.grad.dtype == torch.bfloat16 and lb.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_modules_on_packed_batches(version):
+    # cu_seqlens: each sequence alone (rotary from 0, causal and window within it),
+    # values and every gradient as one call per sequence; the C++ layer's packed
+    # forward on the same parameters
+    torch.manual_seed(15)
+    cls = dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2
+    mod = cls(32, 1, 2, 1, window_left=3, sinks=True, dtype=torch.float64)
+    with torch.no_grad():
+        mod.sinks.copy_(torch.tensor([0.5, -1.0, 0.25, 1.5]))
+    lengths = [5, 0, 7, 1]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    x = r(1, 13, 32)
+    y = mod(x, cu_seqlens=torch.tensor(cu))
+    g = torch.randn_like(y)
+    params = [p for _, p in mod.named_parameters()]
+    got = torch.autograd.grad((y * g).sum(), [x] + params)
+    one = torch.cat([mod(x[:, s:e]) for s, e in zip(cu[:-1], cu[1:]) if e > s], 1)
+    assert torch.allclose(y, one, atol=1e-13)
+    want = torch.autograd.grad((one * g).sum(), [x] + params)
+    for (name, _), a, b in zip([("x", None)] + list(mod.named_parameters()), got, want):
+        assert torch.allclose(a, b, atol=1e-12), name
+    layer_cls = diffattn.MultiheadDiffAttnV1 if version == 1 else diffattn.MultiheadDiffAttnV2
+    layer = layer_cls(32, 1, 2, 1, dtype=np.float64, window_left=3, sinks=True)
+    for name, p in layer.parameters().items():
+        p[...] = mod.state_dict()[name].numpy()
+    seqs = diffattn.PackedSequences.from_lengths(lengths)
+    assert np.allclose(layer.forward(x.detach().numpy(), seqs), y.detach().numpy(), atol=1e-13)
+    assert torch.equal(mod(x, cu_seqlens=seqs), y)
+    with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0 to the 13 tokens"):
+        mod(x, cu_seqlens=[0, 5, 12])
+    with pytest.raises(ValueError, match=r"a packed batch is x \(1, T, E\)"):
+        mod(torch.cat([x, x]), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="exclude each other"):
+        mod(x, mod.make_cache(1, 16), cu_seqlens=cu)
+
+
 def test_gradcheck_modules():
     x = r(1, 5, 16)
     v1 = dt.MultiheadDiffAttnV1(16, 1, 2, 1, dtype=torch.float64)
