@@ -472,71 +472,145 @@ def _cache_storage(dtype):
 
 
 class KVCache:
-    """Keys (after rotary) and values of the tokens a module has seen: (B,
-    capacity, heads, width) tensors and the number of tokens held.
+    """Keys (after rotary) and values of the tokens a module has seen, for B
+    sequences decoded in step: buffers k (B, rows, heads, width) and v, and the
+    number of tokens seen (size(), the rotary position of the next one).
+
+    rows is the capacity, or for a module with a sliding window of W =
+    window_left + 1 tokens at most 2W, as the C++ layers' caches: only the last
+    W - 1 tokens are read again, the held rows (keys(), values(), stored() of
+    them) move to the front when the buffer fills, and an append longer than
+    the room left runs in pieces; memory is bounded by W, not by the sequence.
 
     An 8-bit cache (make_cache(..., dtype="int8" or "float8_e4m3")) holds k and v
     as int8, or uint8 E4M3FN bits, and one float32 scale per (token, head) row in
-    k_scale and v_scale (B, capacity, heads): each appended row is quantized by
+    k_scale and v_scale (B, rows, heads): each appended row is quantized by
     quantize_rows (scale = max |x| / 127 or / 448), and the decoding kernels read
-    the rows in place. k_scale and v_scale are None for other caches."""
+    the rows in place. k_scale and v_scale are None for other caches.
 
-    def __init__(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype):
+    An append that fails (no room, a non-finite value for an 8-bit cache) leaves
+    the cache as it was."""
+
+    def __init__(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype, keep=-1):
+        if batch < 0 or capacity < 0:
+            raise ValueError(f"KVCache: batch and capacity must be >= 0, got {batch}, {capacity}")
         store, self._quant = _cache_storage(dtype)
-        self.k = torch.zeros(batch, capacity, k_heads, k_dim, dtype=store)
-        self.v = torch.zeros(batch, capacity, v_heads, v_dim, dtype=store)
+        rows = capacity if keep < 0 else min(capacity, 2 * (keep + 1))
+        self.k = torch.zeros(batch, rows, k_heads, k_dim, dtype=store)
+        self.v = torch.zeros(batch, rows, v_heads, v_dim, dtype=store)
         self.k_scale = self.v_scale = None
         if self._quant:
-            self.k_scale = torch.zeros(batch, capacity, k_heads, dtype=torch.float32)
-            self.v_scale = torch.zeros(batch, capacity, v_heads, dtype=torch.float32)
-        self._size = 0
+            self.k_scale = torch.zeros(batch, rows, k_heads, dtype=torch.float32)
+            self.v_scale = torch.zeros(batch, rows, v_heads, dtype=torch.float32)
+        self._capacity, self._keep = capacity, keep
+        self._size = self._start = self._end = 0
 
     def size(self):
         return self._size
 
     def capacity(self):
-        return self.k.shape[1]
+        return self._capacity
 
     def batch(self):
         return self.k.shape[0]
 
+    def stored(self):
+        """Rows held: size() without a window, at most W - 1 with one."""
+        return self._end - self._start
+
+    def keys(self):
+        """The held keys (B, stored(), heads, width): a view."""
+        return self.k[:, self._start:self._end]
+
+    def values(self):
+        """The held values (B, stored(), heads, width): a view."""
+        return self.v[:, self._start:self._end]
+
     def bytes(self):
         """Bytes held for keys, values and (8-bit caches) their scales."""
-        ts = [self.k, self.v] + ([self.k_scale, self.v_scale] if self._quant else [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self._buffers())
 
     def clear(self):
-        self._size = 0
+        self._size = self._start = self._end = 0
 
-    def _append(self, fn, k, v):
+    def _buffers(self):
+        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self._quant else [])
+
+    def _max_append(self):
+        left = self._capacity - self._size
+        if self._keep < 0:
+            return left
+        return min(left, self.k.shape[1] - min(self.stored(), self._keep))
+
+    def _reserve(self, n):
+        """The row where n new tokens go, the kept rows moved to the front when
+        the buffer is full (the cache still holds the same tokens)."""
+        if self._end + n > self.k.shape[1]:
+            kept = min(self.stored(), self._keep)
+            for t in self._buffers():
+                t[:, :kept] = t[:, self._end - kept:self._end].clone()
+            self._start, self._end = 0, kept
+        return self._end
+
+    def _write(self, fn, row, k, v):
+        new = slice(row, row + k.shape[1])
+        if not self._quant:
+            self.k[:, new] = k
+            self.v[:, new] = v
+            return
+        try:
+            for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+                _C.quantize_rows(_np(src), self._quant, out=dst[:, new].numpy(),
+                                 scale=scale[:, new].numpy())
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e}") from None
+
+    def _held_with(self, n):
+        """k_cache, v_cache, cache_seqlens and the scale keywords of the kvcache
+        kernels: the held rows and the n written after them."""
+        rows = slice(self._start, self._end + n)
+        lens = np.full(self.batch(), self._end + n - self._start, dtype=np.int64)
+        if not self._quant:
+            return _np(self.k[:, rows], "cache.k"), _np(self.v[:, rows], "cache.v"), lens, {}
+        return (self.k[:, rows].numpy(), self.v[:, rows].numpy(), lens,
+                dict(k_scale=self.k_scale[:, rows].numpy(),
+                     v_scale=self.v_scale[:, rows].numpy()))
+
+    def _append(self, fn, k, v, attend):
+        """Appends keys k (B, n, ...) and values v, in pieces that fit, and after
+        writing each piece calls attend(a, np, k_cache, v_cache, lens, scales) for
+        the queries of tokens [a, a + np): their outputs, concatenated."""
         n = k.shape[1]
         if k.shape[0] != self.batch():
             raise ValueError(f"{fn}: x has batch {k.shape[0]}, the cache {self.batch()}")
-        if self._size + n > self.capacity():
+        if n > self._capacity - self._size:
             raise ValueError(f"{fn}: cannot append {n} tokens to a cache holding {self._size} "
-                             f"of capacity {self.capacity()}")
-        new = slice(self._size, self._size + n)
-        if self._quant:
-            # Rows from size on are not held yet: a failure (a non-finite value
-            # has no scale) leaves the cache as it was.
-            try:
-                for src, dst, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-                    _C.quantize_rows(_np(src), self._quant, out=dst[:, new].numpy(),
-                                     scale=scale[:, new].numpy())
-            except ValueError as e:
-                raise ValueError(f"{fn}: {e}") from None
-        else:
-            self.k[:, new] = k
-            self.v[:, new] = v
-        self._size += n
-        return np.full(self.batch(), self._size, dtype=np.int64)
-
-    def _kernel_args(self):
-        """k_cache, v_cache and the scale keywords of the kvcache kernels."""
-        if not self._quant:
-            return _np(self.k, "cache.k"), _np(self.v, "cache.v"), {}
-        return self.k.numpy(), self.v.numpy(), dict(k_scale=self.k_scale.numpy(),
-                                                    v_scale=self.v_scale.numpy())
+                             f"of capacity {self._capacity}")
+        # One piece changes nothing until it counts; several overwrite held rows.
+        saved = None
+        if n > self._max_append():
+            saved = ([t.clone() for t in self._buffers()], self._size, self._start, self._end)
+        outs, a = [], 0
+        try:
+            while a < n or not outs:
+                m = min(n - a, self._max_append())
+                if m < 1 and a < n:
+                    raise ValueError(f"{fn}: no room to append to a cache holding {self._size}")
+                row = self._reserve(m)
+                self._write(fn, row, k[:, a:a + m], v[:, a:a + m])
+                outs.append(attend(a, m, *self._held_with(m)))
+                self._end += m
+                self._size += m
+                if 0 <= self._keep < self.stored():
+                    self._start = self._end - self._keep
+                a += m
+        except BaseException:
+            if saved is not None:
+                for t, c in zip(self._buffers(), saved[0]):
+                    t.copy_(c)
+                self._size, self._start, self._end = saved[1:]
+            raise
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
 class _Module(nn.Module):
@@ -562,7 +636,8 @@ class _Module(nn.Module):
 
     def _new_cache(self, batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype):
         own = self.q_proj.weight.dtype
-        cache = KVCache(batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype or own)
+        keep = self.window_left if self.causal and self.window_left >= 0 else -1
+        cache = KVCache(batch, capacity, k_heads, k_dim, v_heads, v_dim, dtype or own, keep)
         if cache._quant and own not in (torch.float32,) + _HALF:
             raise ValueError(f"{type(self).__name__}.make_cache: an 8-bit cache takes queries of "
                              f"float32, bfloat16 or float16; this module's parameters are {own}")
@@ -696,13 +771,15 @@ class MultiheadDiffAttnV1(_Module):
     def _forward_cached(self, x, cache):
         self._check_cache_use(cache)
         q, k, v = self._qkv(x, cache.size())
-        lens = cache._append("MultiheadDiffAttnV1.forward", k, v)
         lam = float(self.lambda_full())
-        kc, vc, scales = cache._kernel_args()
-        out, _ = _C.diff_attention_v1_kvcache(
-            _np(q), kc, vc, lam, lens, **scales,
-            **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
-        return self._out(_torch(out))
+        o = _opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods())
+
+        def attend(a, n, kc, vc, lens, scales):
+            out, _ = _C.diff_attention_v1_kvcache(_np(q[:, a:a + n]), kc, vc, lam, lens, **scales,
+                                                  **o)
+            return _torch(out)
+
+        return self._out(cache._append("MultiheadDiffAttnV1.forward", k, v, attend))
 
 
 class MultiheadDiffAttnV2(_Module):
@@ -785,9 +862,11 @@ class MultiheadDiffAttnV2(_Module):
     def _forward_cached(self, x, cache):
         self._check_cache_use(cache)
         q, k, v, logit = self._qkv(x, cache.size())
-        lens = cache._append("MultiheadDiffAttnV2.forward", k, v)
-        kc, vc, scales = cache._kernel_args()
-        out, _ = _C.diff_attention_v2_kvcache(
-            _np(q), kc, vc, _np(logit), lens, **scales,
-            **_opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods()))
-        return self._out(_torch(out))
+        o = _opts(True, self.window_left, -1, 0.0, self.num_threads, **self._mods())
+
+        def attend(a, n, kc, vc, lens, scales):
+            out, _ = _C.diff_attention_v2_kvcache(_np(q[:, a:a + n]), kc, vc,
+                                                  _np(logit[:, a:a + n]), lens, **scales, **o)
+            return _torch(out)
+
+        return self._out(cache._append("MultiheadDiffAttnV2.forward", k, v, attend))

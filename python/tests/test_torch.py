@@ -403,6 +403,48 @@ def test_cached_decoding_from_8bit_caches(version, kind, tol):
         layer(torch.randn(2, 5, 32))
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_windowed_caches_hold_the_window(version):
+    # window_left = 5: at most 2 (5 + 1) rows, whatever the sequence; decoding in
+    # pieces of any length (some longer than the room left) equals the forward
+    torch.manual_seed(16)
+    cls = dt.MultiheadDiffAttnV1 if version == 1 else dt.MultiheadDiffAttnV2
+    layer = cls(32, 1, 2, 1, window_left=5, dtype=torch.float64)
+    x = torch.randn(2, 100, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x)
+        for plan in ([1] * 100, [17, 1, 30, 2, 50], [100]):
+            cache = layer.make_cache(2, 100)
+            assert cache.k.shape[1] == 12
+            assert cache.bytes() == layer.make_cache(2, 10 ** 6).bytes()
+            parts, a = [], 0
+            for n in plan:
+                parts.append(layer(x[:, a:a + n], cache))
+                a += n
+            assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12), plan[:3]
+            assert cache.size() == 100 and cache.stored() == 5
+            assert cache.keys().shape[1] == 5
+        with pytest.raises(ValueError, match="cannot append 1 tokens"):
+            layer(x[:, :1], cache)
+    # an 8-bit windowed cache: a non-finite value in the last piece of a long
+    # append leaves the cache as it was
+    layer32 = cls(32, 1, 2, 1, window_left=5)
+    x32 = x.float()
+    with torch.no_grad():
+        c8 = layer32.make_cache(2, 100, "int8")
+        layer32(x32[:, :20], c8)
+        held = c8.keys().clone(), c8.size(), c8.stored()
+        bad = x32[:, 20:50].clone()
+        bad[0, 28, 0] = float("nan")
+        with pytest.raises(ValueError, match="only finite values have a scale"):
+            layer32(bad, c8)
+        assert torch.equal(c8.keys(), held[0]) and (c8.size(), c8.stored()) == held[1:]
+        y = torch.cat([layer32(x32[:, 20:60], c8)] +
+                      [layer32(x32[:, i:i + 1], c8) for i in range(60, 100)], 1)
+        ref = layer32(x32)[:, 20:]
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= 1e-2
+
+
 def test_training_with_a_torch_optimizer():
     torch.manual_seed(3)
     layer = dt.MultiheadDiffAttnV2(32, 0, 2, 1)
