@@ -9,11 +9,16 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__unix__)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
 
 #include <catch2/catch.hpp>
 #include <diffattn/attention.hpp>
 #include <diffattn/attention_backward.hpp>
 #include <diffattn/detail/core/fp_mode.hpp>
+#include <diffattn/detail/core/parallel.hpp>
 #include <diffattn/kvcache_attention.hpp>
 #include <diffattn/module.hpp>
 #include <diffattn/reference.hpp>
@@ -149,6 +154,42 @@ TEST_CASE("kernels are safe to call from several threads at once", "[robustness]
     });
   for (auto& th : threads) th.join();
   for (int t = 0; t < 4; ++t) CHECK(test::bitwise_equal(got[t], expect[t]));
+}
+
+TEST_CASE("a process forked after a two-thread call runs its calls, on one thread",
+          "[robustness][threads][fork]") {
+#if defined(_OPENMP) && defined(__unix__)
+  // GNU OpenMP keeps the parent's team in the child's bookkeeping without its
+  // threads: without the fork guard the child's first two-thread call waits
+  // for them forever. The child's alarm turns such a hang into a failure.
+  const index_t N = 257, H = 2, d = 32;
+  const auto q = random_tensor<float, 4>({1, N, 2 * H, d}, 31);
+  const auto k = random_tensor<float, 4>({1, N, 2 * H, d}, 32);
+  const auto v = random_tensor<float, 4>({1, N, H, 2 * d}, 33);
+  Tensor<float, 4> expect({1, N, H, 2 * d});
+  diffattn::diff_attention_v1<float>(q, k, v, 0.7f, expect, causal_options(2));
+  REQUIRE_FALSE(diffattn::detail::single_threaded_after_fork());
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::alarm(60);
+    Tensor<float, 4> got({1, N, H, 2 * d});
+    diffattn::diff_attention_v1<float>(q, k, v, 0.7f, got, causal_options(2));
+    const bool ok = diffattn::detail::single_threaded_after_fork() &&
+                    diffattn::detail::resolve_threads(2, 8) == 1 &&
+                    test::bitwise_equal(got, expect);
+    ::_exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  INFO("child status " << status << (WIFSIGNALED(status) ? " (killed: hung or crashed)" : ""));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  // The parent keeps its threads.
+  CHECK(diffattn::detail::resolve_threads(2, 8) == 2);
+#else
+  WARN("skipped: needs OpenMP and fork()");
+#endif
 }
 
 TEST_CASE("layers: forward and gradients bitwise identical for 1 and 2 threads",

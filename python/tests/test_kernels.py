@@ -624,3 +624,21 @@ def test_isa():
     assert diffattn.isa() in diffattn.isa_variants()
     assert diffattn.isa() != "native"  # the module runs the dispatch library
     assert abs(diffattn.lambda_init(3) - (0.8 - 0.6 * np.exp(-0.9))) < 1e-15
+
+
+def _attention_in_child(args):
+    q, threads = args
+    return diffattn.attention(q, q, q, causal=True, num_threads=threads)[0]
+
+
+def test_forked_processes_after_a_two_thread_call():
+    # multiprocessing forks by default on Linux; GNU OpenMP would make the
+    # children's two-thread calls wait forever for the parent's team
+    import multiprocessing
+
+    q = rand(1, 300, 4, 32).astype(np.float32)
+    want, _ = diffattn.attention(q, q, q, causal=True, num_threads=2)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        got = pool.map_async(_attention_in_child, [(q, 2), (q, 0)]).get(timeout=120)
+    for g in got:
+        assert np.array_equal(g, want)

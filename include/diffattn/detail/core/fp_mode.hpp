@@ -40,8 +40,9 @@ class DenormalsFlushed {
  public:
   DenormalsFlushed() noexcept {
 #if DIFFATTN_DETAIL_FLUSH_MXCSR
-    saved_ = _mm_getcsr() & kMxcsrFlushDenormals;
-    if (saved_ != kMxcsrFlushDenormals) _mm_setcsr(_mm_getcsr() | kMxcsrFlushDenormals);
+    const unsigned csr = _mm_getcsr();
+    saved_ = csr & kMxcsrFlushDenormals;
+    if (saved_ != kMxcsrFlushDenormals) _mm_setcsr(csr | kMxcsrFlushDenormals);
 #endif
   }
   ~DenormalsFlushed() {

@@ -7,6 +7,12 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+
+#include <atomic>
+#define DIFFATTN_DETAIL_FORK_GUARD 1
+#endif
 #endif
 
 #include "../../config.hpp"
@@ -15,11 +21,44 @@
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
-/// Threads to use: `requested`, else the OpenMP default (1 without OpenMP);
-/// never more than there are tasks, never fewer than 1.
+#ifdef DIFFATTN_DETAIL_FORK_GUARD
+/// Fork safety. GNU OpenMP keeps the threads of a thread's last team for its
+/// next one and has no fork handler: a process forked by a thread that ran a
+/// team holds that bookkeeping but none of the threads, and its first team of
+/// two or more waits for them forever (Python's multiprocessing forks by
+/// default on Linux). So the thread that starts a team notes it, and a child
+/// forked from such a thread runs every call on one thread: slower, never hung.
+inline thread_local bool tl_started_team = false;
+inline std::atomic<bool> g_forked_after_team{false};
+
+/// Before a team starts on this thread: registers the fork handler (once per
+/// process) and notes the team.
+inline void note_team_start() {
+  static const int registered = ::pthread_atfork(nullptr, nullptr, [] {
+    if (tl_started_team) g_forked_after_team.store(true, std::memory_order_relaxed);
+  });
+  (void)registered;
+  tl_started_team = true;
+}
+#endif
+
+/// True in a process forked from a thread that had run one of the kernels'
+/// teams: every call there runs on one thread (see note_team_start).
+inline bool single_threaded_after_fork() noexcept {
+#ifdef DIFFATTN_DETAIL_FORK_GUARD
+  return g_forked_after_team.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+/// Threads to use: `requested`, else the OpenMP default (1 without OpenMP, and
+/// in a process forked after a team: single_threaded_after_fork); never more
+/// than there are tasks, never fewer than 1.
 inline int resolve_threads(int requested, index_t tasks) {
 #ifdef _OPENMP
   index_t n = requested > 0 ? requested : omp_get_max_threads();
+  if (single_threaded_after_fork()) n = 1;
 #else
   index_t n = 1;
   (void)requested;
@@ -57,7 +96,10 @@ template <bool FlushDenormals = true, class Body, class Epilogue>
 void parallel_tasks(index_t tasks, int threads, Body&& body, Epilogue&& epilogue) {
   using Mode = std::conditional_t<FlushDenormals, DenormalsFlushed, CallerFpMode>;
 #ifdef _OPENMP
-  if (threads > 1) {
+  if (threads > 1 && !single_threaded_after_fork()) {
+#ifdef DIFFATTN_DETAIL_FORK_GUARD
+    note_team_start();
+#endif
     std::exception_ptr failure;
 #pragma omp parallel num_threads(threads)
     {
