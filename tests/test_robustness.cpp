@@ -160,23 +160,30 @@ TEST_CASE("a process forked after a two-thread call runs its calls, on one threa
           "[robustness][threads][fork]") {
 #if defined(_OPENMP) && defined(__unix__)
   // GNU OpenMP keeps the parent's team in the child's bookkeeping without its
-  // threads: without the fork guard the child's first two-thread call waits
-  // for them forever. The child's alarm turns such a hang into a failure.
+  // threads: without the fork handler the child's first two-thread call waits
+  // for them forever. The child's alarm turns such a hang into a failure. A
+  // plain OpenMP team of the child's (another library's) runs too.
   const index_t N = 257, H = 2, d = 32;
   const auto q = random_tensor<float, 4>({1, N, 2 * H, d}, 31);
   const auto k = random_tensor<float, 4>({1, N, 2 * H, d}, 32);
   const auto v = random_tensor<float, 4>({1, N, H, 2 * d}, 33);
   Tensor<float, 4> expect({1, N, H, 2 * d});
   diffattn::diff_attention_v1<float>(q, k, v, 0.7f, expect, causal_options(2));
-  REQUIRE_FALSE(diffattn::detail::single_threaded_after_fork());
+  REQUIRE_FALSE(diffattn::detail::teams_disabled());
   const pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
     ::alarm(60);
     Tensor<float, 4> got({1, N, H, 2 * d});
     diffattn::diff_attention_v1<float>(q, k, v, 0.7f, got, causal_options(2));
-    const bool ok = diffattn::detail::single_threaded_after_fork() &&
-                    diffattn::detail::resolve_threads(2, 8) == 1 &&
+    int members = 0;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp atomic
+      ++members;
+    }
+    const bool ok = diffattn::detail::teams_disabled() &&
+                    diffattn::detail::resolve_threads(2, 8) == 1 && members == 1 &&
                     test::bitwise_equal(got, expect);
     ::_exit(ok ? 0 : 1);
   }

@@ -9,8 +9,6 @@
 #include <omp.h>
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
-
-#include <atomic>
 #define DIFFATTN_DETAIL_FORK_GUARD 1
 #endif
 #endif
@@ -25,40 +23,43 @@ namespace detail {
 /// Fork safety. GNU OpenMP keeps the threads of a thread's last team for its
 /// next one and has no fork handler: a process forked by a thread that ran a
 /// team holds that bookkeeping but none of the threads, and its first team of
-/// two or more waits for them forever (Python's multiprocessing forks by
-/// default on Linux). So the thread that starts a team notes it, and a child
-/// forked from such a thread runs every call on one thread: slower, never hung.
+/// two or more, any library's, waits for them forever (Python's
+/// multiprocessing forks by default on Linux). So the thread that starts one
+/// of the kernels' teams notes it, and in a child forked from such a thread a
+/// fork handler sets OpenMP's max-active-levels to 0: every team of the child
+/// runs on one thread (slower, never hung), whichever copy of these headers
+/// or other library starts it.
 inline thread_local bool tl_started_team = false;
-inline std::atomic<bool> g_forked_after_team{false};
 
 /// Before a team starts on this thread: registers the fork handler (once per
-/// process) and notes the team.
+/// copy of these headers in the process) and notes the team.
 inline void note_team_start() {
   static const int registered = ::pthread_atfork(nullptr, nullptr, [] {
-    if (tl_started_team) g_forked_after_team.store(true, std::memory_order_relaxed);
+    if (tl_started_team) omp_set_max_active_levels(0);
   });
   (void)registered;
   tl_started_team = true;
 }
 #endif
 
-/// True in a process forked from a thread that had run one of the kernels'
-/// teams: every call there runs on one thread (see note_team_start).
-inline bool single_threaded_after_fork() noexcept {
-#ifdef DIFFATTN_DETAIL_FORK_GUARD
-  return g_forked_after_team.load(std::memory_order_relaxed);
+/// True where OpenMP runs no team of more than one thread: max-active-levels
+/// is 0 (in a child forked after a team, see note_team_start, or as the user
+/// set it). The kernels then resolve every call to one thread.
+inline bool teams_disabled() noexcept {
+#ifdef _OPENMP
+  return omp_get_max_active_levels() == 0;
 #else
   return false;
 #endif
 }
 
-/// Threads to use: `requested`, else the OpenMP default (1 without OpenMP, and
-/// in a process forked after a team: single_threaded_after_fork); never more
-/// than there are tasks, never fewer than 1.
+/// Threads to use: `requested`, else the OpenMP default (1 without OpenMP or
+/// where teams_disabled: in a process forked after a team); never more than
+/// there are tasks, never fewer than 1.
 inline int resolve_threads(int requested, index_t tasks) {
 #ifdef _OPENMP
   index_t n = requested > 0 ? requested : omp_get_max_threads();
-  if (single_threaded_after_fork()) n = 1;
+  if (teams_disabled()) n = 1;
 #else
   index_t n = 1;
   (void)requested;
@@ -96,7 +97,7 @@ template <bool FlushDenormals = true, class Body, class Epilogue>
 void parallel_tasks(index_t tasks, int threads, Body&& body, Epilogue&& epilogue) {
   using Mode = std::conditional_t<FlushDenormals, DenormalsFlushed, CallerFpMode>;
 #ifdef _OPENMP
-  if (threads > 1 && !single_threaded_after_fork()) {
+  if (threads > 1 && !teams_disabled()) {
 #ifdef DIFFATTN_DETAIL_FORK_GUARD
     note_team_start();
 #endif
