@@ -33,8 +33,9 @@ __all__ = [
     "diff_attention_v1", "diff_attention_v2", "attention", "DiffAttnV1Function",
     "DiffAttnV2Function", "AttentionFunction", "diff_attention_v1_varlen",
     "diff_attention_v2_varlen", "attention_varlen", "DiffAttnV1VarlenFunction",
-    "DiffAttnV2VarlenFunction", "AttentionVarlenFunction", "MultiheadDiffAttnV1", "MultiheadDiffAttnV2",
-    "RMSNorm", "KVCache", "apply_rope", "lambda_init", "standard_alibi_slopes",
+    "DiffAttnV2VarlenFunction", "AttentionVarlenFunction", "MultiheadDiffAttnV1",
+    "MultiheadDiffAttnV2", "RMSNorm", "KVCache", "apply_rope", "lambda_init",
+    "standard_alibi_slopes",
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
