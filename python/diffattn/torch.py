@@ -32,8 +32,7 @@ from . import _diffattn as _C
 __all__ = [
     "diff_attention_v1", "diff_attention_v2", "attention", "DiffAttnV1Function",
     "DiffAttnV2Function", "AttentionFunction", "diff_attention_v1_varlen",
-    "diff_attention_v2_varlen", "attention_varlen", "DiffAttnV1VarlenFunction",
-    "DiffAttnV2VarlenFunction", "AttentionVarlenFunction", "MultiheadDiffAttnV1",
+    "diff_attention_v2_varlen", "attention_varlen", "MultiheadDiffAttnV1",
     "MultiheadDiffAttnV2", "RMSNorm", "KVCache", "apply_rope", "lambda_init",
     "standard_alibi_slopes",
 ]
@@ -115,21 +114,31 @@ def lambda_init(depth):
     return _C.lambda_init(depth)
 
 
+def _kernel(name, cu, backward=False):
+    """The binding `name` (or its backward) and its extra keywords: the dense
+    kernel, or, given packed-batch offsets cu = (cu_q, cu_k), its `_varlen` twin."""
+    packed = cu[0] is not None
+    fn = getattr(_C, name + ("_varlen" if packed else "") + ("_backward" if backward else ""))
+    return fn, (dict(seqs=cu[0], cu_seqlens_k=cu[1]) if packed else {})
+
+
 class DiffAttnV1Function(torch.autograd.Function):
     """diff_attention_v1 with its backward. lambda_ is a 0-d tensor (one lambda)
-    or (H) (one per DIFF head)."""
+    or (H) (one per DIFF head). With offsets cu_q (and cu_k), a packed batch:
+    diff_attention_v1_varlen and its backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_, causal=False, window_left=-1, window_right=-1, scale=0.0,
-                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None, cu_q=None, cu_k=None):
         o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
                   sinks)
         lam = float(lambda_) if lambda_.dim() == 0 else _np(
             lambda_.to(torch.float32 if q.dtype in _HALF else q.dtype), "lambda_")
-        out, lse = _C.diff_attention_v1(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, **o)
+        fn, packed = _kernel("diff_attention_v1", (cu_q, cu_k))
+        out, lse = fn(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, **packed, **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, lambda_, out, lse)
-        ctx.opts, ctx.sinks = o, sinks
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
         return out
 
     @staticmethod
@@ -138,29 +147,31 @@ class DiffAttnV1Function(torch.autograd.Function):
         s, g = q.dtype, _grad_dtype(q)
         lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
         ds = _dsinks(ctx.sinks, g)
-        dq, dk, dv, dl = _C.diff_attention_v1_backward(
-            _np(q), _store(k, s), _store(v, s), lam, _np(out), _np(lse), _store(dout, s),
-            dsinks=ds, **ctx.opts)
+        fn, packed = _kernel("diff_attention_v1", ctx.cu, backward=True)
+        dq, dk, dv, dl = fn(_np(q), _store(k, s), _store(v, s), lam, _np(out), _np(lse),
+                            _store(dout, s), dsinks=ds, **packed, **ctx.opts)
         dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
             _torch(dl).to(lambda_.dtype)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
-                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
+                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds), None, None)
 
 
 class DiffAttnV2Function(torch.autograd.Function):
     """diff_attention_v2 with its backward (lambda_logit gets its gradient through
-    the sigmoid)."""
+    the sigmoid); with offsets cu_q (and cu_k), diff_attention_v2_varlen."""
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_logit, causal=False, window_left=-1, window_right=-1,
-                scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+                scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None, cu_q=None,
+                cu_k=None):
         o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
                   sinks)
-        out, lse = _C.diff_attention_v2(_np(q, "q"), _np(k, "k"), _np(v, "v"),
-                                        _np(lambda_logit, "lambda_logit"), **o)
+        fn, packed = _kernel("diff_attention_v2", (cu_q, cu_k))
+        out, lse = fn(_np(q, "q"), _np(k, "k"), _np(v, "v"), _np(lambda_logit, "lambda_logit"),
+                      **packed, **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, lambda_logit, out, lse)
-        ctx.opts, ctx.sinks = o, sinks
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
         return out
 
     @staticmethod
@@ -168,26 +179,28 @@ class DiffAttnV2Function(torch.autograd.Function):
         q, k, v, logit, out, lse = ctx.saved_tensors
         s = q.dtype
         ds = _dsinks(ctx.sinks, _grad_dtype(q))
-        dq, dk, dv, dlog = _C.diff_attention_v2_backward(
-            _np(q), _store(k, s), _store(v, s), _store(logit, s), _np(out), _np(lse),
-            _store(dout, s), dsinks=ds, **ctx.opts)
+        fn, packed = _kernel("diff_attention_v2", ctx.cu, backward=True)
+        dq, dk, dv, dlog = fn(_np(q), _store(k, s), _store(v, s), _store(logit, s), _np(out),
+                              _np(lse), _store(dout, s), dsinks=ds, **packed, **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
                 _torch(dlog).to(logit.dtype), None, None, None, None, None, None, None,
-                _grad_sinks(ctx.sinks, ds))
+                _grad_sinks(ctx.sinks, ds), None, None)
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Plain softmax attention (GQA) with its backward."""
+    """Plain softmax attention (GQA) with its backward; with offsets cu_q (and
+    cu_k), attention_varlen."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, window_left=-1, window_right=-1, scale=0.0,
-                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
+                num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None, cu_q=None, cu_k=None):
         o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
                   sinks)
-        out, lse = _C.attention(_np(q, "q"), _np(k, "k"), _np(v, "v"), **o)
+        fn, packed = _kernel("attention", (cu_q, cu_k))
+        out, lse = fn(_np(q, "q"), _np(k, "k"), _np(v, "v"), **packed, **o)
         out, lse = _torch(out), _torch(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts, ctx.sinks = o, sinks
+        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
         return out
 
     @staticmethod
@@ -195,10 +208,11 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         s = q.dtype
         ds = _dsinks(ctx.sinks, _grad_dtype(q))
-        dq, dk, dv = _C.attention_backward(_np(q), _store(k, s), _store(v, s), _np(out), _np(lse),
-                                           _store(dout, s), dsinks=ds, **ctx.opts)
+        fn, packed = _kernel("attention", ctx.cu, backward=True)
+        dq, dk, dv = fn(_np(q), _store(k, s), _store(v, s), _np(out), _np(lse), _store(dout, s),
+                        dsinks=ds, **packed, **ctx.opts)
         return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
-                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
+                None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds), None, None)
 
 
 def diff_attention_v1(q, k, v, lambda_, *, causal=False, window_left=-1, window_right=-1,
@@ -239,102 +253,6 @@ def _offsets(cu, name):
     return np.array(cu)
 
 
-class DiffAttnV1VarlenFunction(torch.autograd.Function):
-    """diff_attention_v1_varlen with its backward: packed q (T, 2H, d), k (T_k,
-    2Hkv, d), v (T_k, Hkv, 2d), sequences by offsets."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lambda_, cu_q, cu_k=None, causal=False, window_left=-1,
-                window_right=-1, scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None,
-                sinks=None):
-        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
-                  sinks)
-        lam = float(lambda_) if lambda_.dim() == 0 else _np(
-            lambda_.to(torch.float32 if q.dtype in _HALF else q.dtype), "lambda_")
-        out, lse = _C.diff_attention_v1_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"), lam, cu_q,
-                                               cu_seqlens_k=cu_k, **o)
-        out, lse = _torch(out), _torch(lse)
-        ctx.save_for_backward(q, k, v, lambda_, out, lse)
-        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, lambda_, out, lse = ctx.saved_tensors
-        s, g = q.dtype, _grad_dtype(q)
-        lam = float(lambda_) if lambda_.dim() == 0 else _np(lambda_.to(g), "lambda_")
-        ds = _dsinks(ctx.sinks, g)
-        dq, dk, dv, dl = _C.diff_attention_v1_varlen_backward(
-            _np(q), _store(k, s), _store(v, s), lam, _np(out), _np(lse), _store(dout, s),
-            ctx.cu[0], cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
-        dl = torch.tensor(dl, dtype=lambda_.dtype) if lambda_.dim() == 0 else \
-            _torch(dl).to(lambda_.dtype)
-        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype), dl,
-                None, None, None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
-
-
-class DiffAttnV2VarlenFunction(torch.autograd.Function):
-    """diff_attention_v2_varlen with its backward: packed q (T, 2H, d), k, v (T_k,
-    Hkv, d), lambda_logit (T, H)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lambda_logit, cu_q, cu_k=None, causal=False, window_left=-1,
-                window_right=-1, scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None,
-                sinks=None):
-        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
-                  sinks)
-        out, lse = _C.diff_attention_v2_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"),
-                                               _np(lambda_logit, "lambda_logit"), cu_q,
-                                               cu_seqlens_k=cu_k, **o)
-        out, lse = _torch(out), _torch(lse)
-        ctx.save_for_backward(q, k, v, lambda_logit, out, lse)
-        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, logit, out, lse = ctx.saved_tensors
-        s = q.dtype
-        ds = _dsinks(ctx.sinks, _grad_dtype(q))
-        dq, dk, dv, dlog = _C.diff_attention_v2_varlen_backward(
-            _np(q), _store(k, s), _store(v, s), _store(logit, s), _np(out), _np(lse),
-            _store(dout, s), ctx.cu[0], cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
-        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
-                _torch(dlog).to(logit.dtype), None, None, None, None, None, None, None, None, None,
-                _grad_sinks(ctx.sinks, ds))
-
-
-class AttentionVarlenFunction(torch.autograd.Function):
-    """attention_varlen with its backward: packed q (T, Hq, d), k (T_k, Hkv, d),
-    v (T_k, Hkv, dv)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k=None, causal=False, window_left=-1, window_right=-1,
-                scale=0.0, num_threads=0, softcap=0.0, alibi_slopes=None, sinks=None):
-        o = _opts(causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
-                  sinks)
-        out, lse = _C.attention_varlen(_np(q, "q"), _np(k, "k"), _np(v, "v"), cu_q,
-                                       cu_seqlens_k=cu_k, **o)
-        out, lse = _torch(out), _torch(lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts, ctx.sinks, ctx.cu = o, sinks, (cu_q, cu_k)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        s = q.dtype
-        ds = _dsinks(ctx.sinks, _grad_dtype(q))
-        dq, dk, dv = _C.attention_varlen_backward(
-            _np(q), _store(k, s), _store(v, s), _np(out), _np(lse), _store(dout, s), ctx.cu[0],
-            cu_seqlens_k=ctx.cu[1], dsinks=ds, **ctx.opts)
-        return (_torch(dq).to(q.dtype), _torch(dk).to(k.dtype), _torch(dv).to(v.dtype),
-                None, None, None, None, None, None, None, None, None, _grad_sinks(ctx.sinks, ds))
-
-
 def diff_attention_v1_varlen(q, k, v, lambda_, cu_seqlens_q, cu_seqlens_k=None, *, causal=False,
                              window_left=-1, window_right=-1, scale=0.0, num_threads=0,
                              softcap=0.0, alibi_slopes=None, sinks=None):
@@ -345,10 +263,10 @@ def diff_attention_v1_varlen(q, k, v, lambda_, cu_seqlens_q, cu_seqlens_k=None, 
     and v when they differ; masks, windows and modifiers act within each sequence."""
     if not torch.is_tensor(lambda_):
         lambda_ = torch.tensor(float(lambda_), dtype=_grad_dtype(q))
-    return DiffAttnV1VarlenFunction.apply(
-        q, k, v, lambda_, _offsets(cu_seqlens_q, "cu_seqlens_q"),
-        _offsets(cu_seqlens_k, "cu_seqlens_k"), causal, window_left, window_right, scale,
-        num_threads, softcap, alibi_slopes, sinks)
+    return DiffAttnV1Function.apply(
+        q, k, v, lambda_, causal, window_left, window_right, scale, num_threads, softcap,
+        alibi_slopes, sinks, _offsets(cu_seqlens_q, "cu_seqlens_q"),
+        _offsets(cu_seqlens_k, "cu_seqlens_k"))
 
 
 def diff_attention_v2_varlen(q, k, v, lambda_logit, cu_seqlens_q, cu_seqlens_k=None, *,
@@ -357,10 +275,10 @@ def diff_attention_v2_varlen(q, k, v, lambda_logit, cu_seqlens_q, cu_seqlens_k=N
     """Differentiable diff_attention_v2 over a packed batch: q (T, 2H, d), k, v
     (T_k, Hkv, d), lambda_logit (T, H) -> out (T, H, d); offsets as
     diff_attention_v1_varlen's."""
-    return DiffAttnV2VarlenFunction.apply(
-        q, k, v, lambda_logit, _offsets(cu_seqlens_q, "cu_seqlens_q"),
-        _offsets(cu_seqlens_k, "cu_seqlens_k"), causal, window_left, window_right, scale,
-        num_threads, softcap, alibi_slopes, sinks)
+    return DiffAttnV2Function.apply(
+        q, k, v, lambda_logit, causal, window_left, window_right, scale, num_threads, softcap,
+        alibi_slopes, sinks, _offsets(cu_seqlens_q, "cu_seqlens_q"),
+        _offsets(cu_seqlens_k, "cu_seqlens_k"))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, window_left=-1,
@@ -369,9 +287,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, 
     """Differentiable plain attention over a packed batch: q (T, Hq, d), k (T_k,
     Hkv, d), v (T_k, Hkv, dv) -> out (T, Hq, dv); offsets as
     diff_attention_v1_varlen's."""
-    return AttentionVarlenFunction.apply(
-        q, k, v, _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k"),
-        causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes, sinks)
+    return AttentionFunction.apply(
+        q, k, v, causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
+        sinks, _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k"))
 
 
 def _rotate(x, cos, sin):
@@ -747,10 +665,10 @@ class MultiheadDiffAttnV1(_Module):
         if cu_seqlens is not None:
             pos, cu = self._packed(x, cu_seqlens, cache)
             q, k, v = self._qkv(x, pos)
-            attn = DiffAttnV1VarlenFunction.apply(
-                q[0], k[0], v[0], self.lambda_full(), cu, None, self.causal, self.window_left,
+            attn = DiffAttnV1Function.apply(
+                q[0], k[0], v[0], self.lambda_full(), self.causal, self.window_left,
                 self.window_right, 0.0, self.num_threads, self.softcap, self._alibi_slopes,
-                self.sinks)
+                self.sinks, cu)
             return self._out(attn[None])
         if cache is not None:
             return self._forward_cached(x, cache)
@@ -838,10 +756,9 @@ class MultiheadDiffAttnV2(_Module):
         if cu_seqlens is not None:
             pos, cu = self._packed(x, cu_seqlens, cache)
             q, k, v, logit = self._qkv(x, pos)
-            attn = DiffAttnV2VarlenFunction.apply(
-                q[0], k[0], v[0], logit[0], cu, None, self.causal, self.window_left,
-                self.window_right, 0.0, self.num_threads, self.softcap, self._alibi_slopes,
-                self.sinks)
+            attn = DiffAttnV2Function.apply(
+                q[0], k[0], v[0], logit[0], self.causal, self.window_left, self.window_right,
+                0.0, self.num_threads, self.softcap, self._alibi_slopes, self.sinks, cu)
             return self._out(attn[None])
         if cache is not None:
             return self._forward_cached(x, cache)

@@ -229,8 +229,7 @@ void bind_backward(py::module_& m) {
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
-                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dsv = dsinks_view<C>(fn, dsinks_);
           const Lambda l = lambda_arg<C>(fn, lam);
           if (l.scalar) {
             C dl = 0;
@@ -282,8 +281,7 @@ dq, dk, dv are 16-bit; lse, lambda_, dlambda and dsinks float32.)doc");
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
           const auto gl = view_of<const T, 3>(fn, "lambda_logit", logit);
           py::array dlog = new_array<T, 3>(gl.shape());
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
-                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dsv = dsinks_view<C>(fn, dsinks_);
           const auto dlv = view_of<T, 3>(fn, "dlambda_logit", dlog);
           {
             py::gil_scoped_release nogil;
@@ -315,8 +313,7 @@ dq, dk, dv are 16-bit; lse, lambda_, dlambda and dsinks float32.)doc");
           using T = typename decltype(tag)::type;
           using C = compute_t<T>;
           const BackwardArgs<T, 4> a(fn, q, k, v, out, lse, dout, dq_, dk_, dv_);
-          const auto dsv = dsinks_.is_none() ? diffattn::TensorView<C, 1>()
-                                             : view_of<C, 1>(fn, "dsinks", as_array(dsinks_));
+          const auto dsv = dsinks_view<C>(fn, dsinks_);
           {
             py::gil_scoped_release nogil;
             diffattn::attention_backward<T>(a.q, a.k, a.v, a.out, a.lse, a.dout, a.dqv, a.dkv,
