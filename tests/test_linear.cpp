@@ -1,4 +1,5 @@
-// The projections' products (detail/layers/linear.hpp) against float64 loops.
+// The projections' products (detail/layers/linear.hpp) against float64 loops;
+// built again with DIFFATTN_DISPATCH (tests/dispatch), once per variant.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -21,6 +22,16 @@ std::vector<double> random_vec(index_t n, std::uint64_t seed) {
 template <class T>
 std::vector<T> as(const std::vector<double>& v) {
   return std::vector<T>(v.begin(), v.end());
+}
+// Whether linear runs bfloat16 x and W on bf16 dot products: where this unit
+// compiles it (its instruction set), or (DIFFATTN_DISPATCH, tests/dispatch)
+// where diffattn::dispatch's variant for bfloat16 products does.
+bool bf16_dots() {
+#ifdef DIFFATTN_DISPATCH
+  return std::strcmp(diffattn::detail::dispatch_bf16_isa(), "avx512bf16") == 0;
+#else
+  return diffattn::detail::kHasBf16Dot;
+#endif
 }
 double max_rel(const std::vector<double>& ref, const std::vector<float>& got) {
   double num = 0, den = 0;
@@ -96,7 +107,7 @@ TEST_CASE("16-bit x, W and y: the float product of the widened values, rounded o
     const std::vector<float> xf(xb.begin(), xb.end()), wbf(wb.begin(), wb.end());
     std::vector<float> ref(static_cast<std::size_t>(s.rows * s.out)), yf(ref.size());
     diffattn::detail::linear(xf.data(), s.rows, s.in, wbf.data(), s.out, ref.data(), 2);
-    if (diffattn::detail::kHasBf16Dot) {
+    if (bf16_dots()) {
       // bfloat16 x and W under AVX512-BF16: the products run on bf16 dot
       // products, a float sum of the same exact products in another order:
       // within gamma_in sum_t |x_t w_t| of the exact sum, the same bits for

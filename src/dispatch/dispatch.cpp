@@ -34,7 +34,8 @@
 
 #define DIFFATTN_DECLARE_TABLES(name)                                        \
   extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_FORWARD_TABLE(name)[]; \
-  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_BACKWARD_TABLE(name)[];
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_BACKWARD_TABLE(name)[]; \
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_LINEAR_TABLE(name)[];
 DIFFATTN_VARIANT_LIST(DIFFATTN_DECLARE_TABLES)
 #undef DIFFATTN_DECLARE_TABLES
 
@@ -45,10 +46,12 @@ struct Variant {
   const char* name;
   const ErasedFn* forward;
   const ErasedFn* backward;
+  const ErasedFn* linear;
 };
 
-#define DIFFATTN_VARIANT_ENTRY(name) \
-  Variant{#name, DIFFATTN_FORWARD_TABLE(name), DIFFATTN_BACKWARD_TABLE(name)},
+#define DIFFATTN_VARIANT_ENTRY(name)                                          \
+  Variant{#name, DIFFATTN_FORWARD_TABLE(name), DIFFATTN_BACKWARD_TABLE(name), \
+          DIFFATTN_LINEAR_TABLE(name)},
 constexpr Variant kVariants[] = {DIFFATTN_VARIANT_LIST(DIFFATTN_VARIANT_ENTRY)};
 #undef DIFFATTN_VARIANT_ENTRY
 constexpr int kVariantCount = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
@@ -219,7 +222,8 @@ bool bf16_dot_pays() { return true; }
 #endif
 
 /// The variant of the kernels whose q and k are bfloat16 (the forward with
-/// bfloat16 q, k and v, the bfloat16 backward): the selected one, except where
+/// bfloat16 q, k and v, the bfloat16 backward, a projection of bfloat16 x
+/// by bfloat16 W): the selected one, except where
 /// it was selected without DIFFATTN_ISA as avx512bf16 and this CPU's bf16 dot
 /// products are slower than its float FMAs (bf16_dot_pays): then avx512.
 const Variant& selected_bf16() {
@@ -267,10 +271,31 @@ DIFFATTN_FORWARD_STORAGE(DIFFATTN_DEFINE_FORWARD)
 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_DEFINE_BACKWARD)
 #undef DIFFATTN_DEFINE_BACKWARD
 
+// A projection takes bf16 dot products, where its variant has them, when x
+// and W are both bfloat16: it runs where the bfloat16 kernels do.
+#define DIFFATTN_DEFINE_LINEAR(SX, SW, SY)                                                    \
+  void dispatch_linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y, \
+                       int threads) {                                                         \
+    using namespace diffattn_dispatch;                                                        \
+    reinterpret_cast<LinearFn<SX, SW, SY>>(                                                   \
+        variant_for<SX, SW>().linear[linear_slot<SX, SW, SY>()])(x, rows, in, w, out, y,       \
+                                                                threads);                     \
+  }
+DIFFATTN_LINEAR_STORAGE(DIFFATTN_DEFINE_LINEAR)
+#undef DIFFATTN_DEFINE_LINEAR
+
+#define DIFFATTN_DEFINE_LINEAR_BACKWARD(T)                                                     \
+  void dispatch_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out, \
+                                const T* dy, T* dw, T* dx, bool accumulate_dx, int threads) {  \
+    using namespace diffattn_dispatch;                                                         \
+    reinterpret_cast<LinearBackwardFn<T>>(selected().linear[linear_backward_slot<T>()])(       \
+        x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);                              \
+  }
+DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DEFINE_LINEAR_BACKWARD)
+#undef DIFFATTN_DEFINE_LINEAR_BACKWARD
+
 const char* dispatch_isa() { return diffattn_dispatch::selected().name; }
 
-// Declared where it is tested (tests/dispatch/test_dispatch.cpp): the variant
-// of the kernels with bfloat16 q and k (selected_bf16).
 const char* dispatch_bf16_isa() { return diffattn_dispatch::selected_bf16().name; }
 
 std::vector<std::string_view> dispatch_variants() {

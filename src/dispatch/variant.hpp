@@ -1,13 +1,15 @@
 // What one variant of diffattn::dispatch exports: its kernels for every
 // storage combination of detail/kernel/dispatch.hpp, as tables of type-erased
-// function pointers in the order of DIFFATTN_FORWARD_STORAGE and
-// DIFFATTN_BACKWARD_STORAGE. Private to the library (not installed).
+// function pointers in the order of DIFFATTN_FORWARD_STORAGE,
+// DIFFATTN_BACKWARD_STORAGE and DIFFATTN_LINEAR_STORAGE (then
+// DIFFATTN_LINEAR_BACKWARD_STORAGE). Private to the library (not installed).
 //
-// Each variant is compiled from variant_forward.cpp and variant_backward.cpp
-// with its own instruction-set flags and DIFFATTN_VARIANT=<name>; the two
-// objects are linked into one relocatable object and every symbol except the
-// two tables is made local to it (src/CMakeLists.txt), so no inline function
-// compiled for one instruction set can be picked by the linker for another.
+// Each variant is compiled from variant_forward.cpp, variant_backward.cpp and
+// variant_linear.cpp with its own instruction-set flags and
+// DIFFATTN_VARIANT=<name>; the objects are linked into one relocatable object
+// and every symbol except the three tables is made local to it
+// (src/CMakeLists.txt), so no inline function compiled for one instruction
+// set can be picked by the linker for another.
 #pragma once
 
 #include <type_traits>
@@ -49,6 +51,50 @@ constexpr int backward_slot() {
   return found;
 }
 
+template <class SX, class SW, class SY>
+using LinearFn = void (*)(const SX*, diffattn::index_t, diffattn::index_t, const SW*,
+                          diffattn::index_t, SY*, int);
+template <class T>
+using LinearBackwardFn = void (*)(const T*, diffattn::index_t, diffattn::index_t, const T*,
+                                  diffattn::index_t, const T*, T*, T*, bool, int);
+
+/// The slot of (SX, SW, SY) in a variant's linear table: the products first,
+/// in the order of DIFFATTN_LINEAR_STORAGE.
+template <class SX, class SW, class SY>
+constexpr int linear_slot() {
+  int slot = 0, found = -1;
+#define DIFFATTN_SLOT(A, B, C)                                                   \
+  if (std::is_same<SX, A>::value && std::is_same<SW, B>::value &&              \
+      std::is_same<SY, C>::value)                                              \
+    found = slot;                                                              \
+  ++slot;
+  DIFFATTN_LINEAR_STORAGE(DIFFATTN_SLOT)
+#undef DIFFATTN_SLOT
+  return found;
+}
+
+#define DIFFATTN_COUNT_LINEAR(A, B, C) +1
+constexpr int kLinearForwardSlots = 0 DIFFATTN_LINEAR_STORAGE(DIFFATTN_COUNT_LINEAR);
+#undef DIFFATTN_COUNT_LINEAR
+
+/// The slot of T's backward in a variant's linear table: after the products,
+/// in the order of DIFFATTN_LINEAR_BACKWARD_STORAGE.
+template <class T>
+constexpr int linear_backward_slot() {
+  int slot = kLinearForwardSlots, found = -1;
+#define DIFFATTN_SLOT(A) \
+  if (std::is_same<T, A>::value) found = slot; \
+  ++slot;
+  DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_SLOT)
+#undef DIFFATTN_SLOT
+  return found;
+}
+
+#define DIFFATTN_COUNT_LINEAR_BACKWARD(A) +1
+constexpr int kLinearSlots =
+    kLinearForwardSlots DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_COUNT_LINEAR_BACKWARD);
+#undef DIFFATTN_COUNT_LINEAR_BACKWARD
+
 #define DIFFATTN_COUNT_FORWARD(A, B) +1
 #define DIFFATTN_COUNT_BACKWARD(A) +1
 constexpr int kForwardSlots = 0 DIFFATTN_FORWARD_STORAGE(DIFFATTN_COUNT_FORWARD);
@@ -60,7 +106,9 @@ constexpr int kBackwardSlots = 0 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_COUNT_BACKWA
 
 #define DIFFATTN_PASTE_(a, b) a##b
 #define DIFFATTN_PASTE(a, b) DIFFATTN_PASTE_(a, b)
-/// The exported tables of variant NAME: diffattn_forward_NAME and
-/// diffattn_backward_NAME.
+/// The exported tables of variant NAME: diffattn_forward_NAME,
+/// diffattn_backward_NAME ...
 #define DIFFATTN_FORWARD_TABLE(name) DIFFATTN_PASTE(diffattn_forward_, name)
 #define DIFFATTN_BACKWARD_TABLE(name) DIFFATTN_PASTE(diffattn_backward_, name)
+/// ... and its table of the layers' projections, diffattn_linear_NAME.
+#define DIFFATTN_LINEAR_TABLE(name) DIFFATTN_PASTE(diffattn_linear_, name)

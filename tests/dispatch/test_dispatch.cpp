@@ -130,14 +130,6 @@ TEST_CASE("dispatch: a forward call runs through the selected variant", "[dispat
   CHECK(worst < 1e-13);
 }
 
-// Defined in diffattn::dispatch (src/dispatch/dispatch.cpp) and declared only
-// here: the variant that runs the kernels with bfloat16 q and k.
-DIFFATTN_BEGIN_NAMESPACE
-namespace detail {
-const char* dispatch_bf16_isa();
-}
-DIFFATTN_END_NAMESPACE
-
 TEST_CASE("dispatch: the variant of the bfloat16 kernels", "[dispatch]") {
   // Without DIFFATTN_ISA (ctest's environment here), the bfloat16 forward and
   // backward run on the selected variant, or on avx512 where that is

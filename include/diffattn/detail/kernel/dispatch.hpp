@@ -1,16 +1,19 @@
 // The seam between the public entry points and the compiled kernels of
 // diffattn::dispatch (src/): the storage combinations the library compiles,
-// and the functions it defines for them.
+// and the functions it defines for them (the attention kernels and the
+// layers' projections).
 //
 // Header-only use (DIFFATTN_DISPATCH undefined) never calls these: the
 // kernels compile in the including translation unit, for its flags. A
 // program linking diffattn::dispatch is compiled with DIFFATTN_DISPATCH, and
 // detail::run_attention / run_attention_backward then hand the checked
-// problem to the library, which runs the variant chosen for this CPU.
+// problem to the library, which runs the variant chosen for this CPU; so do
+// detail::linear / linear_backward, the layers' projections.
 #pragma once
 
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <cstdint>
@@ -37,6 +40,20 @@
 // The storage types of the backward kernels (q, k, v, out and dout share one).
 #define DIFFATTN_BACKWARD_STORAGE(X) X(float) X(double) X(::diffattn::bfloat16) X(::diffattn::half)
 
+// The layers' projections (detail/layers/linear.hpp): every (x, W, y) storage
+// triple of y = x W^T that a float, double, bfloat16 or half layer runs (a
+// 16-bit layer's x and y are its own storage or float), and the storage of
+// its backward. A triple missing here compiles in the calling unit instead.
+#define DIFFATTN_LINEAR_STORAGE(X)                                                               \
+  X(float, float, float) X(double, double, double)                                               \
+  X(::diffattn::bfloat16, ::diffattn::bfloat16, ::diffattn::bfloat16)                            \
+  X(::diffattn::bfloat16, ::diffattn::bfloat16, float)                                           \
+  X(float, ::diffattn::bfloat16, ::diffattn::bfloat16) X(float, ::diffattn::bfloat16, float)     \
+  X(::diffattn::half, ::diffattn::half, ::diffattn::half)                                        \
+  X(::diffattn::half, ::diffattn::half, float) X(float, ::diffattn::half, ::diffattn::half)      \
+  X(float, ::diffattn::half, float)
+#define DIFFATTN_LINEAR_BACKWARD_STORAGE(X) X(float) X(double)
+
 DIFFATTN_BEGIN_NAMESPACE
 namespace detail {
 
@@ -55,10 +72,42 @@ DIFFATTN_FORWARD_STORAGE(DIFFATTN_DECLARE_FORWARD)
 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_DECLARE_BACKWARD)
 #undef DIFFATTN_DECLARE_BACKWARD
 
+#define DIFFATTN_DECLARE_LINEAR(SX, SW, SY)                                                  \
+  void dispatch_linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y, \
+                       int threads);
+DIFFATTN_LINEAR_STORAGE(DIFFATTN_DECLARE_LINEAR)
+#undef DIFFATTN_DECLARE_LINEAR
+#define DIFFATTN_DECLARE_LINEAR_BACKWARD(T)                                                    \
+  void dispatch_linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out, \
+                                const T* dy, T* dw, T* dx, bool accumulate_dx, int threads);
+DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DECLARE_LINEAR_BACKWARD)
+#undef DIFFATTN_DECLARE_LINEAR_BACKWARD
+
+/// Whether diffattn::dispatch compiles linear for (SX, SW, SY), and
+/// linear_backward for T.
+template <class SX, class SW, class SY>
+constexpr bool linear_dispatched() {
+#define DIFFATTN_MATCH(A, B, C) \
+  (std::is_same<SX, A>::value && std::is_same<SW, B>::value && std::is_same<SY, C>::value) ||
+  return DIFFATTN_LINEAR_STORAGE(DIFFATTN_MATCH) false;
+#undef DIFFATTN_MATCH
+}
+template <class T>
+constexpr bool linear_backward_dispatched() {
+#define DIFFATTN_MATCH(A) std::is_same<T, A>::value ||
+  return DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_MATCH) false;
+#undef DIFFATTN_MATCH
+}
+
 /// The name of the variant diffattn::dispatch selected (selecting it on the
 /// first call); throws diffattn::error when DIFFATTN_ISA names a variant that
 /// is unknown, not compiled in, or not supported by this CPU.
 const char* dispatch_isa();
+/// The variant that runs the kernels with bfloat16 q and k, and the
+/// projections of bfloat16 x by bfloat16 W: dispatch_isa(), or avx512 where
+/// that is avx512bf16, chosen without DIFFATTN_ISA, and this CPU's bf16 dot
+/// products are slower than its float FMAs.
+const char* dispatch_bf16_isa();
 /// The variants compiled into the library, least to most capable.
 std::vector<std::string_view> dispatch_variants();
 /// Whether the variant is compiled in and this CPU runs it.

@@ -32,6 +32,7 @@
 #include "../core/workspace.hpp"
 #include "../kernel/bf16_dot.hpp"
 #include "../kernel/convert.hpp"
+#include "../kernel/dispatch.hpp"
 #include "../kernel/gemm.hpp"
 #include "../kernel/tile.hpp"
 
@@ -207,12 +208,10 @@ constexpr index_t linear_slab_outputs(index_t in) {
   return std::max(NR, slab / NR * NR);
 }
 
-/// y (rows, out) = x (rows, in) W^T, W (out, in): nn.Linear without bias.
-/// threads: 0 means the OpenMP default. x, W and y are float or double, or
-/// bfloat16 / half with float products (all three share compute_t).
+/// linear's products in this translation unit, for its instruction set.
 template <class SX, class SW, class SY>
-void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
-            int threads = 0) {
+void linear_kernel(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
+                   int threads) {
   using T = compute_t<SW>;
   static_assert(std::is_same<compute_t<SX>, T>::value && std::is_same<compute_t<SY>, T>::value,
                 "linear: x, W and y compute in one type (float for bfloat16 / half)");
@@ -305,7 +304,7 @@ void linear_bf16_rows(const bfloat16* x, index_t rows, index_t in, const bfloat1
   if (rows == 0 || out == 0) return;
   if (rows < kDotRows) {  // few rows: linear's dot products into float, then the rows
     float* f = thread_linear_workspace<float>().wide_x.get(rows * out);
-    linear(x, rows, in, w, out, f, threads);
+    linear_kernel(x, rows, in, w, out, f, threads);
     for (index_t r = 0; r < rows; ++r) {
       epi(f + r * out, r);
       convert_row(f + r * out, out, y + r * out);
@@ -319,11 +318,29 @@ void linear_bf16_rows(const bfloat16* x, index_t rows, index_t in, const bfloat1
 }
 #endif
 
-/// Backward of linear: dw (out, in) += dy^T x and dx (rows, in) = dy W (or +=
-/// when accumulate_dx: an input that feeds several projections). dx may be null.
+/// y (rows, out) = x (rows, in) W^T, W (out, in): nn.Linear without bias.
+/// threads: 0 means the OpenMP default. x, W and y are float or double, or
+/// bfloat16 / half with float products (all three share compute_t). Runs
+/// here, for this unit's instruction set, or (DIFFATTN_DISPATCH, for the
+/// storage triples of DIFFATTN_LINEAR_STORAGE) in diffattn::dispatch's
+/// variant for this CPU: a layer in a build without -march then projects at
+/// the speed of the CPU, not of SSE2.
+template <class SX, class SW, class SY>
+void linear(const SX* x, index_t rows, index_t in, const SW* w, index_t out, SY* y,
+            int threads = 0) {
+#ifdef DIFFATTN_DISPATCH
+  if constexpr (linear_dispatched<SX, SW, SY>()) {
+    dispatch_linear(x, rows, in, w, out, y, threads);
+    return;
+  }
+#endif
+  linear_kernel(x, rows, in, w, out, y, threads);
+}
+
+/// linear_backward's products in this translation unit.
 template <class T>
-void linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out, const T* dy,
-                     T* dw, T* dx, bool accumulate_dx, int threads = 0) {
+void linear_backward_kernel(const T* x, index_t rows, index_t in, const T* w, index_t out,
+                            const T* dy, T* dw, T* dx, bool accumulate_dx, int threads) {
   constexpr index_t NR = TileConfig<T>::kNR;
   LinearWorkspace<T>& ws = thread_linear_workspace<T>();
   const double work =
@@ -342,6 +359,21 @@ void linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t o
   T* bp = ws.b.get(std::max<index_t>(round_up(in, NR) * rows, 1));
   pack_cols(x, in, rows, in, bp);
   gemm_packed_b(out, in, rows, at, rows, bp, dw, in, true, nt);
+}
+
+/// Backward of linear: dw (out, in) += dy^T x and dx (rows, in) = dy W (or +=
+/// when accumulate_dx: an input that feeds several projections). dx may be
+/// null. Where it runs: as linear's.
+template <class T>
+void linear_backward(const T* x, index_t rows, index_t in, const T* w, index_t out, const T* dy,
+                     T* dw, T* dx, bool accumulate_dx, int threads = 0) {
+#ifdef DIFFATTN_DISPATCH
+  if constexpr (linear_backward_dispatched<T>()) {
+    dispatch_linear_backward(x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);
+    return;
+  }
+#endif
+  linear_backward_kernel(x, rows, in, w, out, dy, dw, dx, accumulate_dx, threads);
 }
 
 }  // namespace detail
