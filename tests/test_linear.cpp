@@ -1,7 +1,9 @@
 // The projections' products (detail/layers/linear.hpp) against float64 loops;
 // built again with DIFFATTN_DISPATCH (tests/dispatch), once per variant.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -150,5 +152,124 @@ TEST_CASE("16-bit x, W and y: the float product of the widened values, rounded o
     diffattn::detail::linear(xf.data(), s.rows, s.in, whf.data(), s.out, ref_h.data(), 2);
     diffattn::detail::linear(xf.data(), s.rows, s.in, wh.data(), s.out, yf.data(), 2);
     CHECK(yf == ref_h);
+  }
+}
+
+namespace {
+// The unit roundoff of a storage type.
+template <class S>
+double unit_roundoff() {
+  if (std::is_same<S, double>::value) return std::ldexp(1.0, -53);
+  if (std::is_same<S, float>::value) return std::ldexp(1.0, -24);
+  if (std::is_same<S, diffattn::half>::value) return std::ldexp(1.0, -11);
+  return std::ldexp(1.0, -8);  // bfloat16
+}
+
+// y = x W^T for one (x, W, y) storage triple, against float64 sums of the
+// stored (exactly widened) values: the compute type's sum is within
+// gamma_in sum_t |x_t w_t| of it, and y rounds that once more.
+template <class SX, class SW, class SY>
+void check_triple(index_t rows, index_t in, index_t out) {
+  INFO("rows " << rows << " in " << in << " out " << out << ", x " << sizeof(SX) << " bytes, W "
+               << sizeof(SW) << ", y " << sizeof(SY));
+  const auto xd = random_vec(rows * in, 11), wd = random_vec(out * in, 12);
+  const std::vector<SX> x(xd.begin(), xd.end());
+  const std::vector<SW> w(wd.begin(), wd.end());
+  std::vector<SY> y1(static_cast<std::size_t>(rows * out)), y2(y1.size());
+  diffattn::detail::linear(x.data(), rows, in, w.data(), out, y1.data(), 1);
+  diffattn::detail::linear(x.data(), rows, in, w.data(), out, y2.data(), 2);
+  CHECK(std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(SY)) == 0);
+  using C = diffattn::compute_t<SW>;
+  const double uc = unit_roundoff<C>(), gamma = in * uc / (1 - in * uc);
+  bool within = true;
+  double worst = 0;
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t o = 0; o < out; ++o) {
+      double exact = 0, mag = 0;
+      for (index_t t = 0; t < in; ++t) {
+        const double p = double(x[r * in + t]) * double(w[o * in + t]);
+        exact += p;
+        mag += std::abs(p);
+      }
+      const double got = double(y1[r * out + o]), err = std::abs(got - exact);
+      const double bound = gamma * mag + unit_roundoff<SY>() * (std::abs(exact) + gamma * mag);
+      within = within && err <= bound * 1.0000001 + 1e-300;
+      worst = std::max(worst, err / bound);
+    }
+  INFO("largest error / bound " << worst);
+  CHECK(within);
+}
+}  // namespace
+
+TEST_CASE("every storage triple of the layers' projections is within its rounding bound",
+          "[linear][half]") {
+  using diffattn::bfloat16;
+  using diffattn::half;
+  // Under DIFFATTN_DISPATCH (tests/dispatch) each triple goes through its own
+  // slot of the variant's table: a slot mixed up would fail here.
+  for (const index_t rows : {index_t(3), index_t(100)}) {
+    check_triple<float, float, float>(rows, 70, 33);
+    check_triple<double, double, double>(rows, 70, 33);
+    check_triple<bfloat16, bfloat16, bfloat16>(rows, 70, 33);
+    check_triple<bfloat16, bfloat16, float>(rows, 70, 33);
+    check_triple<float, bfloat16, bfloat16>(rows, 70, 33);
+    check_triple<float, bfloat16, float>(rows, 70, 33);
+    check_triple<half, half, half>(rows, 70, 33);
+    check_triple<half, half, float>(rows, 70, 33);
+    check_triple<float, half, half>(rows, 70, 33);
+    check_triple<float, half, float>(rows, 70, 33);
+  }
+}
+
+TEST_CASE("linear_backward in float: dW accumulated, dx set, added or skipped", "[linear]") {
+  const index_t rows = 37, in = 45, out = 29;
+  const auto xd = random_vec(rows * in, 21), wd = random_vec(out * in, 22),
+             dyd = random_vec(rows * out, 23), dw0d = random_vec(out * in, 24),
+             dx0d = random_vec(rows * in, 25);
+  const auto x = as<float>(xd), w = as<float>(wd), dy = as<float>(dyd), dw0 = as<float>(dw0d),
+             dx0 = as<float>(dx0d);
+  // float64 sums of the float values, and of their magnitudes for the bound.
+  std::vector<double> dw(dw0.begin(), dw0.end()), dx(static_cast<std::size_t>(rows * in), 0.0),
+      dw_mag(dw.size(), 0.0), dx_mag(dx.size(), 0.0);
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t o = 0; o < out; ++o)
+      for (index_t i = 0; i < in; ++i) {
+        const double pw = double(dy[r * out + o]) * double(x[r * in + i]),
+                     px = double(dy[r * out + o]) * double(w[o * in + i]);
+        dw[o * in + i] += pw;
+        dw_mag[o * in + i] += std::abs(pw);
+        dx[r * in + i] += px;
+        dx_mag[r * in + i] += std::abs(px);
+      }
+  const double u = std::ldexp(1.0, -24);
+  auto within = [&](const std::vector<float>& got, const std::vector<double>& want,
+                    const std::vector<double>& mag, const std::vector<float>& start, index_t depth) {
+    const double gamma = (depth + 1) * u / (1 - (depth + 1) * u);
+    for (std::size_t i = 0; i < got.size(); ++i)
+      if (std::abs(double(got[i]) - want[i]) > gamma * (mag[i] + std::abs(double(start[i]))) + 1e-30)
+        return false;
+    return true;
+  };
+  const std::vector<float> zeros(dx.size(), 0.0f);
+  for (const int threads : {1, 2}) {
+    INFO("threads " << threads);
+    std::vector<float> dwg(dw0), dxg(dx.size(), 7.0f);
+    diffattn::detail::linear_backward<float>(x.data(), rows, in, w.data(), out, dy.data(),
+                                             dwg.data(), dxg.data(), false, threads);
+    CHECK(within(dwg, dw, dw_mag, dw0, rows));
+    CHECK(within(dxg, dx, dx_mag, zeros, out));
+    // dx added to what it held
+    std::vector<float> dwa(dw0), dxa(dx0);
+    diffattn::detail::linear_backward<float>(x.data(), rows, in, w.data(), out, dy.data(),
+                                             dwa.data(), dxa.data(), true, threads);
+    CHECK(dwa == dwg);
+    std::vector<double> dx_plus(dx);
+    for (std::size_t i = 0; i < dx.size(); ++i) dx_plus[i] += double(dx0[i]);
+    CHECK(within(dxa, dx_plus, dx_mag, dx0, out));
+    // no dx: dW alone, the same bits
+    std::vector<float> dwn(dw0);
+    diffattn::detail::linear_backward<float>(x.data(), rows, in, w.data(), out, dy.data(),
+                                             dwn.data(), nullptr, false, threads);
+    CHECK(dwn == dwg);
   }
 }
