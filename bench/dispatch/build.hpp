@@ -1,4 +1,4 @@
-// One build of the headers as bench_dispatch measures it: the same four
+// One build of the headers as bench_dispatch measures it: the same five
 // cases compiled with other flags (or through diffattn::dispatch), each
 // build's code in its own inline namespace (DIFFATTN_INLINE_NAMESPACE).
 #pragma once
@@ -13,8 +13,8 @@ namespace bench_dispatch {
 
 /// The cases, in the order of Build::run and Build::output.
 inline const char* const kCases[] = {"V1Prefill_f32", "V1Prefill_bf16", "V2Decode_bf16cache",
-                                     "V2Layer_f32"};
-constexpr int kCaseCount = 4;
+                                     "V2Layer_f32", "V1Stats_f32"};
+constexpr int kCaseCount = 5;
 
 struct Build {
   std::string name;    // "native", "x86-64-v3", "default", "dispatch"

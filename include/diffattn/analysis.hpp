@@ -141,6 +141,15 @@ AttentionStats analysis_run_checked(const char* fn, AttentionProblem<T> p, bool 
   refuse_score_mods(fn, options);  // the measuring rows know no modifiers
   const AnalysisSpec spec = analysis_spec(fn, p, analysis);
   if (!want_out) p.out = TensorView<T, 4>();
+#ifdef DIFFATTN_DISPATCH
+  // In diffattn::dispatch's variant for T, the one that runs the fused
+  // kernel: the output stays the kernel's, bit for bit.
+  if constexpr (analysis_dispatched<T>()) {
+    AttentionStats stats;
+    dispatch_analysis(p, spec, options, stats);
+    return stats;
+  }
+#endif
   return run_analysis<AttentionStats>(p, spec, options);
 }
 

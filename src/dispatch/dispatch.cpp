@@ -35,7 +35,8 @@
 #define DIFFATTN_DECLARE_TABLES(name)                                        \
   extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_FORWARD_TABLE(name)[]; \
   extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_BACKWARD_TABLE(name)[]; \
-  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_LINEAR_TABLE(name)[];
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_LINEAR_TABLE(name)[];   \
+  extern "C" const diffattn_dispatch::ErasedFn DIFFATTN_ANALYSIS_TABLE(name)[];
 DIFFATTN_VARIANT_LIST(DIFFATTN_DECLARE_TABLES)
 #undef DIFFATTN_DECLARE_TABLES
 
@@ -47,11 +48,12 @@ struct Variant {
   const ErasedFn* forward;
   const ErasedFn* backward;
   const ErasedFn* linear;
+  const ErasedFn* analysis;
 };
 
 #define DIFFATTN_VARIANT_ENTRY(name)                                          \
   Variant{#name, DIFFATTN_FORWARD_TABLE(name), DIFFATTN_BACKWARD_TABLE(name), \
-          DIFFATTN_LINEAR_TABLE(name)},
+          DIFFATTN_LINEAR_TABLE(name), DIFFATTN_ANALYSIS_TABLE(name)},
 constexpr Variant kVariants[] = {DIFFATTN_VARIANT_LIST(DIFFATTN_VARIANT_ENTRY)};
 #undef DIFFATTN_VARIANT_ENTRY
 constexpr int kVariantCount = static_cast<int>(sizeof(kVariants) / sizeof(kVariants[0]));
@@ -293,6 +295,17 @@ DIFFATTN_LINEAR_STORAGE(DIFFATTN_DEFINE_LINEAR)
   }
 DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DEFINE_LINEAR_BACKWARD)
 #undef DIFFATTN_DEFINE_LINEAR_BACKWARD
+
+// The analysis runs the fused kernel's block task: where the forward of T runs.
+#define DIFFATTN_DEFINE_ANALYSIS(T)                                                            \
+  void dispatch_analysis(const AttentionProblem<T, T>& p, const AnalysisSpec& spec,            \
+                         const AttentionOptions& options, AttentionStats& stats) {             \
+    using namespace diffattn_dispatch;                                                         \
+    reinterpret_cast<AnalysisFn<T>>(variant_for<T, T>().analysis[analysis_slot<T>()])(         \
+        p, spec, options, stats);                                                              \
+  }
+DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_DEFINE_ANALYSIS)
+#undef DIFFATTN_DEFINE_ANALYSIS
 
 const char* dispatch_isa() { return diffattn_dispatch::selected().name; }
 

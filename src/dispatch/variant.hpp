@@ -1,13 +1,14 @@
 // What one variant of diffattn::dispatch exports: its kernels for every
 // storage combination of detail/kernel/dispatch.hpp, as tables of type-erased
 // function pointers in the order of DIFFATTN_FORWARD_STORAGE,
-// DIFFATTN_BACKWARD_STORAGE and DIFFATTN_LINEAR_STORAGE (then
-// DIFFATTN_LINEAR_BACKWARD_STORAGE). Private to the library (not installed).
+// DIFFATTN_BACKWARD_STORAGE, DIFFATTN_LINEAR_STORAGE (then
+// DIFFATTN_LINEAR_BACKWARD_STORAGE) and DIFFATTN_ANALYSIS_STORAGE. Private to
+// the library (not installed).
 //
-// Each variant is compiled from variant_forward.cpp, variant_backward.cpp and
-// variant_linear.cpp with its own instruction-set flags and
-// DIFFATTN_VARIANT=<name>; the objects are linked into one relocatable object
-// and every symbol except the three tables is made local to it
+// Each variant is compiled from variant_forward.cpp, variant_backward.cpp,
+// variant_linear.cpp and variant_analysis.cpp with its own instruction-set
+// flags and DIFFATTN_VARIANT=<name>; the objects are linked into one
+// relocatable object and every symbol except the four tables is made local to it
 // (src/CMakeLists.txt), so no inline function compiled for one instruction
 // set can be picked by the linker for another.
 #pragma once
@@ -95,6 +96,27 @@ constexpr int kLinearSlots =
     kLinearForwardSlots DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_COUNT_LINEAR_BACKWARD);
 #undef DIFFATTN_COUNT_LINEAR_BACKWARD
 
+template <class T>
+using AnalysisFn = void (*)(const diffattn::detail::AttentionProblem<T, T>&,
+                            const diffattn::detail::AnalysisSpec&,
+                            const diffattn::AttentionOptions&, diffattn::AttentionStats&);
+
+/// The slot of T in a variant's analysis table.
+template <class T>
+constexpr int analysis_slot() {
+  int slot = 0, found = -1;
+#define DIFFATTN_SLOT(A) \
+  if (std::is_same<T, A>::value) found = slot; \
+  ++slot;
+  DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_SLOT)
+#undef DIFFATTN_SLOT
+  return found;
+}
+
+#define DIFFATTN_COUNT_ANALYSIS(A) +1
+constexpr int kAnalysisSlots = 0 DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_COUNT_ANALYSIS);
+#undef DIFFATTN_COUNT_ANALYSIS
+
 #define DIFFATTN_COUNT_FORWARD(A, B) +1
 #define DIFFATTN_COUNT_BACKWARD(A) +1
 constexpr int kForwardSlots = 0 DIFFATTN_FORWARD_STORAGE(DIFFATTN_COUNT_FORWARD);
@@ -110,5 +132,7 @@ constexpr int kBackwardSlots = 0 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_COUNT_BACKWA
 /// diffattn_backward_NAME ...
 #define DIFFATTN_FORWARD_TABLE(name) DIFFATTN_PASTE(diffattn_forward_, name)
 #define DIFFATTN_BACKWARD_TABLE(name) DIFFATTN_PASTE(diffattn_backward_, name)
-/// ... and its table of the layers' projections, diffattn_linear_NAME.
+/// ... its table of the layers' projections, diffattn_linear_NAME, and of the
+/// analysis kernel, diffattn_analysis_NAME.
 #define DIFFATTN_LINEAR_TABLE(name) DIFFATTN_PASTE(diffattn_linear_, name)
+#define DIFFATTN_ANALYSIS_TABLE(name) DIFFATTN_PASTE(diffattn_analysis_, name)

@@ -1,5 +1,5 @@
 # Checks that each variant object of diffattn::dispatch exports nothing but
-# its three tables: every inline function (diffattn's, Eigen's, the standard
+# its four tables: every inline function (diffattn's, Eigen's, the standard
 # library's) compiled for one instruction set is local to its variant, so the
 # linker can never pick it for another. Named OpenMP critical sections
 # (.gomp_critical_user_*) are common lock words, one per program by design.
@@ -19,7 +19,7 @@ foreach(_line IN LISTS _lines)
   set(_variant "${CMAKE_MATCH_1}")
   set(_symbol "${CMAKE_MATCH_3}")
   if(_symbol STREQUAL "diffattn_forward_${_variant}" OR _symbol STREQUAL "diffattn_backward_${_variant}"
-     OR _symbol STREQUAL "diffattn_linear_${_variant}")
+     OR _symbol STREQUAL "diffattn_linear_${_variant}" OR _symbol STREQUAL "diffattn_analysis_${_variant}")
     list(APPEND _seen_tables "${_symbol}")
   elseif(NOT _symbol MATCHES "^\\.gomp_critical_user_")
     list(APPEND _bad "${_variant}: ${_symbol}")
@@ -32,7 +32,7 @@ if(_bad)
   message(FATAL_ERROR "${_n} global symbols in the variant objects besides their tables:\n  ${_show}")
 endif()
 foreach(_v IN LISTS VARIANTS)
-  foreach(_t forward backward linear)
+  foreach(_t forward backward linear analysis)
     if(NOT "diffattn_${_t}_${_v}" IN_LIST _seen_tables)
       message(FATAL_ERROR "variant ${_v}: no global diffattn_${_t}_${_v} in ${LIB}")
     endif()

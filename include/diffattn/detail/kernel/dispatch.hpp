@@ -1,14 +1,15 @@
 // The seam between the public entry points and the compiled kernels of
 // diffattn::dispatch (src/): the storage combinations the library compiles,
-// and the functions it defines for them (the attention kernels and the
-// layers' projections).
+// and the functions it defines for them (the attention kernels, the layers'
+// projections and the analysis kernel).
 //
 // Header-only use (DIFFATTN_DISPATCH undefined) never calls these: the
 // kernels compile in the including translation unit, for its flags. A
 // program linking diffattn::dispatch is compiled with DIFFATTN_DISPATCH, and
 // detail::run_attention / run_attention_backward then hand the checked
 // problem to the library, which runs the variant chosen for this CPU; so do
-// detail::linear / linear_backward, the layers' projections.
+// detail::linear / linear_backward, the layers' projections, and the
+// statistics functions of diffattn/analysis.hpp.
 #pragma once
 
 #include <string>
@@ -54,11 +55,17 @@
   X(float, ::diffattn::half, float)
 #define DIFFATTN_LINEAR_BACKWARD_STORAGE(X) X(float) X(double)
 
+// The storage types of the analysis kernel (diffattn/analysis.hpp: q, k, v
+// and out share one).
+#define DIFFATTN_ANALYSIS_STORAGE(X) X(float) X(double)
+
 DIFFATTN_BEGIN_NAMESPACE
+struct AttentionStats;
 namespace detail {
 
 template <class T, class KV>
 struct AttentionProblem;
+struct AnalysisSpec;
 template <class T>
 struct BackwardProblem;
 
@@ -83,6 +90,12 @@ DIFFATTN_LINEAR_STORAGE(DIFFATTN_DECLARE_LINEAR)
 DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DECLARE_LINEAR_BACKWARD)
 #undef DIFFATTN_DECLARE_LINEAR_BACKWARD
 
+#define DIFFATTN_DECLARE_ANALYSIS(T)                                                        \
+  void dispatch_analysis(const AttentionProblem<T, T>& p, const AnalysisSpec& spec,          \
+                         const AttentionOptions& options, AttentionStats& stats);
+DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_DECLARE_ANALYSIS)
+#undef DIFFATTN_DECLARE_ANALYSIS
+
 /// Whether diffattn::dispatch compiles linear for (SX, SW, SY), and
 /// linear_backward for T.
 template <class SX, class SW, class SY>
@@ -96,6 +109,13 @@ template <class T>
 constexpr bool linear_backward_dispatched() {
 #define DIFFATTN_MATCH(A) std::is_same<T, A>::value ||
   return DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_MATCH) false;
+#undef DIFFATTN_MATCH
+}
+/// Whether diffattn::dispatch compiles the analysis kernel for T.
+template <class T>
+constexpr bool analysis_dispatched() {
+#define DIFFATTN_MATCH(A) std::is_same<T, A>::value ||
+  return DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_MATCH) false;
 #undef DIFFATTN_MATCH
 }
 
