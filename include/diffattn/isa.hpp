@@ -18,8 +18,9 @@ DIFFATTN_BEGIN_NAMESPACE
 /// includes them (add diffattn::native, i.e. -march=native, where the program
 /// runs where it is built). A program linking the compiled library
 /// diffattn::dispatch (which defines DIFFATTN_DISPATCH for it) calls the same
-/// entry points, and the fused forward, backward, KV-cache and packed kernels
-/// run the most capable variant compiled into the library that the CPU and
+/// entry points, and the fused forward, backward, KV-cache and packed kernels,
+/// the layers' projections and the statistics of analysis.hpp run the most
+/// capable variant compiled into the library that the CPU and
 /// its operating system support: on x86-64 "generic" (x86-64), "sse4"
 /// (x86-64-v2), "avx2" (x86-64-v3: AVX2, FMA, F16C), "avx512" (x86-64-v4: F,
 /// BW, CD, DQ, VL) and "avx512bf16" (x86-64-v4 with AVX512-BF16 and
@@ -32,12 +33,13 @@ DIFFATTN_BEGIN_NAMESPACE
 /// is "avx512bf16" and a probe (about 1 ms, at the first such call) finds
 /// that this CPU's bf16 dot products (`vdpbf16ps`) do fewer flops a second
 /// than its float FMAs, as on Intel's Sapphire Rapids class, the kernels whose
-/// q and k are bfloat16 (the bfloat16 forward and backward) run the "avx512"
-/// variant, which widens bfloat16 to float; isa() still names "avx512bf16".
-/// Header-only builds make the same choice at compile time
-/// (DIFFATTN_BF16_DOT, config.hpp). Not
-/// dispatched: the analysis kernels (analysis.hpp), the layers' projections,
-/// rotary embedding and normalisation, which compile with the program's flags.
+/// q and k are bfloat16 (the bfloat16 forward and backward, and projections
+/// of bfloat16 inputs by bfloat16 weights) run the "avx512" variant, which
+/// widens bfloat16 to float; isa() still names "avx512bf16". Header-only
+/// builds make the same choice at compile time (DIFFATTN_BF16_DOT,
+/// config.hpp). Not dispatched: kernels with a user's score functor, the
+/// layers' rotary embedding, lambda and normalisation, which compile with the
+/// program's flags.
 /// @{
 
 /// The variant in use: "native" header-only; with diffattn::dispatch the
