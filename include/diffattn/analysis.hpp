@@ -145,9 +145,9 @@ AttentionStats analysis_run_checked(const char* fn, AttentionProblem<T> p, bool 
   // In diffattn::dispatch's variant for T, the one that runs the fused
   // kernel: the output stays the kernel's, bit for bit.
   if constexpr (analysis_dispatched<T>()) {
-    AttentionStats stats;
-    dispatch_analysis(p, spec, options, stats);
-    return stats;
+    std::vector<double> flat(AnalysisLayout(p.heads, p.maps()).size());
+    dispatch_analysis(p, spec, options, flat.data());
+    return analysis_stats_from<AttentionStats>(flat.data(), p.heads, p.maps());
   }
 #endif
   return run_analysis<AttentionStats>(p, spec, options);

@@ -299,10 +299,10 @@ DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DEFINE_LINEAR_BACKWARD)
 // The analysis runs the fused kernel's block task: where the forward of T runs.
 #define DIFFATTN_DEFINE_ANALYSIS(T)                                                            \
   void dispatch_analysis(const AttentionProblem<T, T>& p, const AnalysisSpec& spec,            \
-                         const AttentionOptions& options, AttentionStats& stats) {             \
+                         const AttentionOptions& options, double* flat) {                      \
     using namespace diffattn_dispatch;                                                         \
     reinterpret_cast<AnalysisFn<T>>(variant_for<T, T>().analysis[analysis_slot<T>()])(         \
-        p, spec, options, stats);                                                              \
+        p, spec, options, flat);                                                               \
   }
 DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_DEFINE_ANALYSIS)
 #undef DIFFATTN_DEFINE_ANALYSIS

@@ -99,7 +99,7 @@ constexpr int kLinearSlots =
 template <class T>
 using AnalysisFn = void (*)(const diffattn::detail::AttentionProblem<T, T>&,
                             const diffattn::detail::AnalysisSpec&,
-                            const diffattn::AttentionOptions&, diffattn::AttentionStats&);
+                            const diffattn::AttentionOptions&, double*);
 
 /// The slot of T in a variant's analysis table.
 template <class T>

@@ -1,6 +1,7 @@
 // One variant's analysis kernel (diffattn/analysis.hpp: the fused kernel's
-// block task with its rows measured): compiled once per instruction set.
-#include <diffattn/analysis.hpp>
+// block task with its rows measured), its statistics written to an array of
+// doubles: compiled once per instruction set.
+#include <diffattn/detail/analysis/analysis_impl.hpp>
 
 #include "variant.hpp"
 
@@ -13,8 +14,8 @@ namespace {
 template <class T>
 void analyse(const diffattn::detail::AttentionProblem<T, T>& p,
              const diffattn::detail::AnalysisSpec& spec, const diffattn::AttentionOptions& options,
-             diffattn::AttentionStats& stats) {
-  stats = diffattn::detail::run_analysis<diffattn::AttentionStats>(p, spec, options);
+             double* flat) {
+  diffattn::detail::run_analysis_flat(p, spec, options, flat);
 }
 
 }  // namespace

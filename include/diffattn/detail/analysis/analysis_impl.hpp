@@ -153,23 +153,37 @@ struct AnalysisRows {
   }
 };
 
-/// Per-head results, filled by run_analysis (the public AttentionStats).
-template <class Stats, class T>
-Stats run_analysis(const AttentionProblem<T>& p, const AnalysisSpec& spec,
-                   const AttentionOptions& options) {
+/// The results of run_analysis_flat in one array of doubles (what crosses
+/// diffattn::dispatch's seam: no standard-library type, whose layout a
+/// program's flags may change): the measured row count, then per map (heads *
+/// maps each) max |logit|, entropy and needle mass, then per head (heads
+/// each) needle, context, |context| and negative mass and the context RMS.
+struct AnalysisLayout {
+  std::size_t hm, h;
+  AnalysisLayout(index_t heads, int maps)
+      : hm(static_cast<std::size_t>(heads) * static_cast<std::size_t>(maps)),
+        h(static_cast<std::size_t>(heads)) {}
+  std::size_t size() const { return 1 + 3 * hm + 5 * h; }
+  static constexpr std::size_t rows = 0;
+  std::size_t per_map(int which) const { return 1 + static_cast<std::size_t>(which) * hm; }
+  std::size_t per_head(int which) const { return 1 + 3 * hm + static_cast<std::size_t>(which) * h; }
+};
+
+/// Runs the analysis of a checked problem into flat (AnalysisLayout(p.heads,
+/// p.maps()).size() doubles).
+template <class T>
+void run_analysis_flat(const AttentionProblem<T>& p, const AnalysisSpec& spec,
+                       const AttentionOptions& options, double* flat) {
   const int maps = p.maps();
-  Stats st;
-  st.heads = p.heads;
-  st.maps = maps;
-  const std::size_t hm = static_cast<std::size_t>(p.heads * maps);
-  const std::size_t h = static_cast<std::size_t>(p.heads);
-  st.max_abs_logit.assign(hm, 0.0);
-  st.entropy.assign(hm, 0.0);
-  st.map_needle_mass.assign(hm, 0.0);
-  for (auto* v : {&st.needle_mass, &st.context_mass, &st.context_abs_mass, &st.negative_mass,
-                  &st.context_rms})
-    v->assign(h, 0.0);
-  if (p.batch == 0 || p.seqlen_q == 0) return st;
+  const AnalysisLayout lay(p.heads, maps);
+  std::fill(flat, flat + lay.size(), 0.0);
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  double* max_abs_logit = flat + lay.per_map(0);
+  double* entropy = flat + lay.per_map(1);
+  double* map_needle_mass = flat + lay.per_map(2);
+  double *needle_mass = flat + lay.per_head(0), *context_mass = flat + lay.per_head(1),
+         *context_abs_mass = flat + lay.per_head(2), *negative_mass = flat + lay.per_head(3),
+         *context_rms = flat + lay.per_head(4);
 
   const index_t bm = TileConfig<T>::kBlockM;
   const index_t nblocks = (p.seqlen_q + bm - 1) / bm;
@@ -195,38 +209,69 @@ Stats run_analysis(const AttentionProblem<T>& p, const AnalysisSpec& spec,
   });
 
   // Reduce in task order: per head, over batch entries and blocks.
-  std::vector<double> rows(h, 0.0), out_sq(h, 0.0);
+  std::vector<double> rows(lay.h, 0.0), out_sq(lay.h, 0.0);
   for (index_t t = 0; t < tasks; ++t) {
     const double* a = partial.data() + static_cast<std::size_t>(t) * StatSlot::count;
     const std::size_t oh = static_cast<std::size_t>((t / nblocks) % p.heads);
     for (int m = 0; m < maps; ++m) {
       const std::size_t k = oh * static_cast<std::size_t>(maps) + static_cast<std::size_t>(m);
-      st.max_abs_logit[k] = std::max(st.max_abs_logit[k], a[StatSlot::max_logit(m)]);
-      st.entropy[k] += a[StatSlot::entropy(m)];
-      st.map_needle_mass[k] += a[StatSlot::map_needle(m)];
+      max_abs_logit[k] = std::max(max_abs_logit[k], a[StatSlot::max_logit(m)]);
+      entropy[k] += a[StatSlot::entropy(m)];
+      map_needle_mass[k] += a[StatSlot::map_needle(m)];
     }
-    st.needle_mass[oh] += a[StatSlot::needle];
-    st.context_mass[oh] += a[StatSlot::context];
-    st.context_abs_mass[oh] += a[StatSlot::context_abs];
-    st.negative_mass[oh] += a[StatSlot::negative];
+    needle_mass[oh] += a[StatSlot::needle];
+    context_mass[oh] += a[StatSlot::context];
+    context_abs_mass[oh] += a[StatSlot::context_abs];
+    negative_mass[oh] += a[StatSlot::negative];
     out_sq[oh] += a[StatSlot::out_sq];
     rows[oh] += a[StatSlot::rows];
   }
-  st.rows = static_cast<index_t>(rows[0]);
-  if (st.rows == 0) return st;
+  flat[AnalysisLayout::rows] = rows[0];
+  if (rows[0] == 0) return;
   const double r = rows[0];
-  for (std::size_t k = 0; k < hm; ++k) {
-    st.entropy[k] /= r;
-    st.map_needle_mass[k] /= r;
+  for (std::size_t k = 0; k < lay.hm; ++k) {
+    entropy[k] /= r;
+    map_needle_mass[k] /= r;
   }
-  for (std::size_t k = 0; k < h; ++k) {
-    st.needle_mass[k] /= r;
-    st.context_mass[k] /= r;
-    st.context_abs_mass[k] /= r;
-    st.negative_mass[k] /= r;
-    st.context_rms[k] = std::sqrt(out_sq[k] / (r * static_cast<double>(p.value_dim)));
+  for (std::size_t k = 0; k < lay.h; ++k) {
+    needle_mass[k] /= r;
+    context_mass[k] /= r;
+    context_abs_mass[k] /= r;
+    negative_mass[k] /= r;
+    context_rms[k] = std::sqrt(out_sq[k] / (r * static_cast<double>(p.value_dim)));
   }
+}
+
+/// Per-head results (the public AttentionStats) from run_analysis_flat's array.
+template <class Stats>
+Stats analysis_stats_from(const double* flat, index_t heads, int maps) {
+  const AnalysisLayout lay(heads, maps);
+  Stats st;
+  st.heads = heads;
+  st.maps = maps;
+  st.rows = static_cast<index_t>(flat[AnalysisLayout::rows]);
+  auto take = [&](std::vector<double>& v, std::size_t at, std::size_t n) {
+    v.assign(flat + at, flat + at + n);
+  };
+  take(st.max_abs_logit, lay.per_map(0), lay.hm);
+  take(st.entropy, lay.per_map(1), lay.hm);
+  take(st.map_needle_mass, lay.per_map(2), lay.hm);
+  take(st.needle_mass, lay.per_head(0), lay.h);
+  take(st.context_mass, lay.per_head(1), lay.h);
+  take(st.context_abs_mass, lay.per_head(2), lay.h);
+  take(st.negative_mass, lay.per_head(3), lay.h);
+  take(st.context_rms, lay.per_head(4), lay.h);
   return st;
+}
+
+/// Per-head results, filled by the analysis of a checked problem here, for
+/// this unit's instruction set.
+template <class Stats, class T>
+Stats run_analysis(const AttentionProblem<T>& p, const AnalysisSpec& spec,
+                   const AttentionOptions& options) {
+  std::vector<double> flat(AnalysisLayout(p.heads, p.maps()).size());
+  run_analysis_flat(p, spec, options, flat.data());
+  return analysis_stats_from<Stats>(flat.data(), p.heads, p.maps());
 }
 
 }  // namespace detail

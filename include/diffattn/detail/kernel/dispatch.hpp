@@ -60,7 +60,6 @@
 #define DIFFATTN_ANALYSIS_STORAGE(X) X(float) X(double)
 
 DIFFATTN_BEGIN_NAMESPACE
-struct AttentionStats;
 namespace detail {
 
 template <class T, class KV>
@@ -90,9 +89,13 @@ DIFFATTN_LINEAR_STORAGE(DIFFATTN_DECLARE_LINEAR)
 DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_DECLARE_LINEAR_BACKWARD)
 #undef DIFFATTN_DECLARE_LINEAR_BACKWARD
 
+// The statistics come back in an array of doubles (analysis_impl.hpp's
+// AnalysisLayout): nothing of the standard library crosses the seam, as
+// nothing does in the problems, so a program built with other library flags
+// (_GLIBCXX_DEBUG) can still link the library.
 #define DIFFATTN_DECLARE_ANALYSIS(T)                                                        \
   void dispatch_analysis(const AttentionProblem<T, T>& p, const AnalysisSpec& spec,          \
-                         const AttentionOptions& options, AttentionStats& stats);
+                         const AttentionOptions& options, double* flat);
 DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_DECLARE_ANALYSIS)
 #undef DIFFATTN_DECLARE_ANALYSIS
 
