@@ -40,16 +40,19 @@ from ._diffattn import (  # noqa: F401
     attention,
     attention_backward,
     attention_kvcache,
+    attention_stats,
     attention_varlen,
     attention_varlen_backward,
     diff_attention_v1,
     diff_attention_v1_backward,
     diff_attention_v1_kvcache,
+    diff_attention_v1_stats,
     diff_attention_v1_varlen,
     diff_attention_v1_varlen_backward,
     diff_attention_v2,
     diff_attention_v2_backward,
     diff_attention_v2_kvcache,
+    diff_attention_v2_stats,
     diff_attention_v2_varlen,
     diff_attention_v2_varlen_backward,
     diff_weights,
@@ -70,6 +73,7 @@ __all__ = [
     "diff_attention_v2_kvcache", "diff_attention_v2_varlen",
     "diff_attention_v2_varlen_backward", "diff_weights", "isa", "isa_supported",
     "isa_variants", "lambda_init", "merge_states", "quantize_rows",
+    "diff_attention_v1_stats", "diff_attention_v2_stats", "attention_stats",
 ]
 
 Error.__module__ = "diffattn"

@@ -1,11 +1,13 @@
 // The extension module diffattn._diffattn: the kernels (kernels.cpp), the
-// layers (layers.cpp), the instruction-set dispatch queries, and diffattn::error
+// layers (layers.cpp), the statistics (analysis.cpp), the instruction-set
+// dispatch queries, and diffattn::error
 // as diffattn.Error, a ValueError carrying the C++ message.
 #include "common.hpp"
 
 namespace diffattn_py {
 void bind_kernels(py::module_& m);
 void bind_layers(py::module_& m);
+void bind_analysis(py::module_& m);
 }  // namespace diffattn_py
 
 PYBIND11_MODULE(_diffattn, m) {
@@ -28,4 +30,5 @@ PYBIND11_MODULE(_diffattn, m) {
         "0.8 - 0.6 exp(-0.3 depth), depth the 0-based layer index.");
   diffattn_py::bind_kernels(m);
   diffattn_py::bind_layers(m);
+  diffattn_py::bind_analysis(m);
 }
