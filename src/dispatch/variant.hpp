@@ -27,102 +27,76 @@ using ForwardFn = void (*)(const diffattn::detail::AttentionProblem<T, KV>&,
 template <class T>
 using BackwardFn = void (*)(const diffattn::detail::BackwardProblem<T>&,
                             const diffattn::AttentionOptions&);
-
-/// The slot of (T, KV) in a variant's forward table.
-template <class T, class KV>
-constexpr int forward_slot() {
-  int slot = 0, found = -1;
-#define DIFFATTN_SLOT(A, B) \
-  if (std::is_same<T, A>::value && std::is_same<KV, B>::value) found = slot; \
-  ++slot;
-  DIFFATTN_FORWARD_STORAGE(DIFFATTN_SLOT)
-#undef DIFFATTN_SLOT
-  return found;
-}
-
-/// The slot of T in a variant's backward table.
-template <class T>
-constexpr int backward_slot() {
-  int slot = 0, found = -1;
-#define DIFFATTN_SLOT(A) \
-  if (std::is_same<T, A>::value) found = slot; \
-  ++slot;
-  DIFFATTN_BACKWARD_STORAGE(DIFFATTN_SLOT)
-#undef DIFFATTN_SLOT
-  return found;
-}
-
 template <class SX, class SW, class SY>
 using LinearFn = void (*)(const SX*, diffattn::index_t, diffattn::index_t, const SW*,
                           diffattn::index_t, SY*, int);
 template <class T>
 using LinearBackwardFn = void (*)(const T*, diffattn::index_t, diffattn::index_t, const T*,
                                   diffattn::index_t, const T*, T*, T*, bool, int);
-
-/// The slot of (SX, SW, SY) in a variant's linear table: the products first,
-/// in the order of DIFFATTN_LINEAR_STORAGE.
-template <class SX, class SW, class SY>
-constexpr int linear_slot() {
-  int slot = 0, found = -1;
-#define DIFFATTN_SLOT(A, B, C)                                                   \
-  if (std::is_same<SX, A>::value && std::is_same<SW, B>::value &&              \
-      std::is_same<SY, C>::value)                                              \
-    found = slot;                                                              \
-  ++slot;
-  DIFFATTN_LINEAR_STORAGE(DIFFATTN_SLOT)
-#undef DIFFATTN_SLOT
-  return found;
-}
-
-#define DIFFATTN_COUNT_LINEAR(A, B, C) +1
-constexpr int kLinearForwardSlots = 0 DIFFATTN_LINEAR_STORAGE(DIFFATTN_COUNT_LINEAR);
-#undef DIFFATTN_COUNT_LINEAR
-
-/// The slot of T's backward in a variant's linear table: after the products,
-/// in the order of DIFFATTN_LINEAR_BACKWARD_STORAGE.
-template <class T>
-constexpr int linear_backward_slot() {
-  int slot = kLinearForwardSlots, found = -1;
-#define DIFFATTN_SLOT(A) \
-  if (std::is_same<T, A>::value) found = slot; \
-  ++slot;
-  DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_SLOT)
-#undef DIFFATTN_SLOT
-  return found;
-}
-
-#define DIFFATTN_COUNT_LINEAR_BACKWARD(A) +1
-constexpr int kLinearSlots =
-    kLinearForwardSlots DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_COUNT_LINEAR_BACKWARD);
-#undef DIFFATTN_COUNT_LINEAR_BACKWARD
-
 template <class T>
 using AnalysisFn = void (*)(const diffattn::detail::AttentionProblem<T, T>&,
                             const diffattn::detail::AnalysisSpec&,
                             const diffattn::AttentionOptions&, double*);
 
+/// One storage combination: the key of a table slot.
+template <class... Ts>
+struct Key {};
+
+/// The combinations of one table, in its order.
+template <class... Keys>
+struct Slots {
+  static constexpr int count = static_cast<int>(sizeof...(Keys));
+  /// The slot of key K, or -1 where the table lacks it.
+  template <class K>
+  static constexpr int of() {
+    int slot = 0, found = -1;
+    ((found = std::is_same<K, Keys>::value ? slot : found, ++slot), ...);
+    return found;
+  }
+};
+/// Slots from an X-macro's ", Key<...>" entries after a leading void.
+template <class Void, class... Keys>
+using SlotsOf = Slots<Keys...>;
+
+#define DIFFATTN_KEY(...) , Key<__VA_ARGS__>
+using ForwardSlots = SlotsOf<void DIFFATTN_FORWARD_STORAGE(DIFFATTN_KEY)>;
+using BackwardSlots = SlotsOf<void DIFFATTN_BACKWARD_STORAGE(DIFFATTN_KEY)>;
+using LinearSlots = SlotsOf<void DIFFATTN_LINEAR_STORAGE(DIFFATTN_KEY)>;
+using LinearBackwardSlots = SlotsOf<void DIFFATTN_LINEAR_BACKWARD_STORAGE(DIFFATTN_KEY)>;
+using AnalysisSlots = SlotsOf<void DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_KEY)>;
+#undef DIFFATTN_KEY
+
+/// The slot of (T, KV) in a variant's forward table.
+template <class T, class KV>
+constexpr int forward_slot() {
+  return ForwardSlots::of<Key<T, KV>>();
+}
+/// The slot of T in a variant's backward table.
+template <class T>
+constexpr int backward_slot() {
+  return BackwardSlots::of<Key<T>>();
+}
+/// The slot of (SX, SW, SY) in a variant's linear table: the products first ...
+template <class SX, class SW, class SY>
+constexpr int linear_slot() {
+  return LinearSlots::of<Key<SX, SW, SY>>();
+}
+/// ... then the backward of T.
+template <class T>
+constexpr int linear_backward_slot() {
+  const int slot = LinearBackwardSlots::of<Key<T>>();
+  return slot < 0 ? -1 : LinearSlots::count + slot;
+}
 /// The slot of T in a variant's analysis table.
 template <class T>
 constexpr int analysis_slot() {
-  int slot = 0, found = -1;
-#define DIFFATTN_SLOT(A) \
-  if (std::is_same<T, A>::value) found = slot; \
-  ++slot;
-  DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_SLOT)
-#undef DIFFATTN_SLOT
-  return found;
+  return AnalysisSlots::of<Key<T>>();
 }
 
-#define DIFFATTN_COUNT_ANALYSIS(A) +1
-constexpr int kAnalysisSlots = 0 DIFFATTN_ANALYSIS_STORAGE(DIFFATTN_COUNT_ANALYSIS);
-#undef DIFFATTN_COUNT_ANALYSIS
-
-#define DIFFATTN_COUNT_FORWARD(A, B) +1
-#define DIFFATTN_COUNT_BACKWARD(A) +1
-constexpr int kForwardSlots = 0 DIFFATTN_FORWARD_STORAGE(DIFFATTN_COUNT_FORWARD);
-constexpr int kBackwardSlots = 0 DIFFATTN_BACKWARD_STORAGE(DIFFATTN_COUNT_BACKWARD);
-#undef DIFFATTN_COUNT_FORWARD
-#undef DIFFATTN_COUNT_BACKWARD
+constexpr int kForwardSlots = ForwardSlots::count;
+constexpr int kBackwardSlots = BackwardSlots::count;
+constexpr int kLinearSlots = LinearSlots::count + LinearBackwardSlots::count;
+constexpr int kAnalysisSlots = AnalysisSlots::count;
 
 }  // namespace diffattn_dispatch
 
