@@ -35,6 +35,14 @@
 // benchmarks minutes apart do not measure (V2 against Plain8 is the issue's
 // "decodes as fast as a baseline Transformer").
 //
+// BM_ReadWithWork/{X, threads} reads like the probe with X packet FMAs
+// after each packet it loads, alternated with the probe: `of_probe` is how
+// much of the probe a stream with that much arithmetic per byte reads here,
+// `warm_GBs` the same loop's rate with its buffer in L2 (its instructions
+// alone). Set against a step's own warm rate (BM_DecodeWarm_*, bench_quant's
+// BM_QuantDecodeWarm_V2), it says what of the probe that step can reach on
+// this machine, whatever its read order.
+//
 // BM_DecodeReadOrder_* run a step at M = 32k and read the same bytes twice
 // more, each over its own cold copy: in the step's order without its
 // arithmetic, and in address order. `of_pattern` says what the arithmetic
@@ -110,6 +118,102 @@ float pattern_read(const float* p, index_t rows, index_t row_floats, index_t pas
     sink += predux(padd(padd(a[0], a[1]), padd(a[2], a[3])));
   }
   return sink;
+}
+
+/// stream_read with X packet FMAs after each packet it loads (X = 0: eight
+/// additions per eight packets, as stream_read), on 12 accumulators so that
+/// the FMAs run at their throughput: how much arithmetic per byte a stream
+/// on this machine carries before it reads slower than the probe.
+template <int X>
+float work_read(const float* p, index_t n, int threads) {
+  using Packet = diffattn::detail::TileConfig<float>::Packet;
+  constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
+  constexpr int kAcc = 12;
+  float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sink)
+#endif
+  for (index_t c = 0; c < n / 4096; ++c) {
+    using namespace Eigen::internal;
+    const float* b = p + c * 4096;
+    const Packet k = pset1<Packet>(0.5f);
+    Packet a[kAcc];
+    for (auto& x : a) x = pset1<Packet>(0.f);
+    for (index_t i = 0; i < 4096; i += 8 * P) {
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const Packet x = ploadu<Packet>(b + i + u * P);
+        if constexpr (X == 0) a[u] = padd(a[u], x);
+#pragma GCC unroll 48
+        for (int f = 0; f < X; ++f) a[(u * X + f) % kAcc] = pmadd(x, k, a[(u * X + f) % kAcc]);
+      }
+    }
+    for (int u = 1; u < kAcc; ++u) a[0] = padd(a[0], a[u]);
+    sink += predux(a[0]);
+  }
+  return sink;
+}
+
+/// work_read<X> from memory alternated with the probe (stream_read) over
+/// another cold part of the buffer, and once over a buffer that stays in L2
+/// (256 KiB a thread): `of_probe` is the loaded stream's rate over the
+/// probe's, `warm_GBs` the rate of its instructions alone. A decoding step
+/// that spends X FMA-equivalent instructions per packet it reads cannot read
+/// faster than this stream; where `warm_GBs` is above the probe and
+/// `of_probe` still below 1, memory and arithmetic overlap only in part.
+/// Arguments: {X, threads}.
+template <int X>
+void read_with_work(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(1));
+  const index_t half =
+      static_cast<index_t>(2 * last_level_cache_bytes() / sizeof(float)) / 4096 * 4096;
+  Tensor<float, 1> buf({2 * half});
+  fill_uniform(buf, 5);
+  const index_t wn = static_cast<index_t>(threads) * (index_t(256) << 10) / 4;
+  using clock = std::chrono::steady_clock;
+  const auto seconds = [](clock::time_point t0) {
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  double warm_s = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = clock::now();
+    for (int r = 0; r < 64; ++r) benchmark::DoNotOptimize(work_read<X>(buf.data(), wn, threads));
+    warm_s = std::min(warm_s, seconds(t0) / 64);
+  }
+  double work_s = 0, probe_s = 0;
+  std::size_t it = 0;
+  for (auto _ : state) {
+    const float* a = buf.data() + (it % 2) * half;
+    const float* b = buf.data() + ((it + 1) % 2) * half;
+    auto t0 = clock::now();
+    benchmark::DoNotOptimize(work_read<X>(a, half, threads));
+    const double s = seconds(t0);
+    state.SetIterationTime(s);
+    work_s += s;
+    t0 = clock::now();
+    benchmark::DoNotOptimize(stream_read(b, half, threads));
+    probe_s += seconds(t0);
+    ++it;
+  }
+  const double bytes = static_cast<double>(half) * sizeof(float);
+  set_counters(state, 0, bytes);
+  state.counters["of_probe"] = probe_s / work_s;
+  state.counters["probe_GBs"] = bytes * static_cast<double>(it) / probe_s / 1e9;
+  state.counters["warm_GBs"] = static_cast<double>(wn) * sizeof(float) / warm_s / 1e9;
+}
+
+void BM_ReadWithWork(benchmark::State& state) {
+  switch (state.range(0)) {
+    case 0: return read_with_work<0>(state);
+    case 4: return read_with_work<4>(state);
+    case 8: return read_with_work<8>(state);
+    case 12: return read_with_work<12>(state);
+    case 16: return read_with_work<16>(state);
+    case 24: return read_with_work<24>(state);
+    case 32: return read_with_work<32>(state);
+    case 48: return read_with_work<48>(state);
+    default: state.SkipWithError("X must be 0, 4, 8, 12, 16, 24, 32 or 48");
+  }
 }
 
 enum class Kind { v1, v2, plain };
@@ -391,6 +495,10 @@ void vs_baseline_sizes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_ReadWithWork)
+    ->ArgsProduct({{0, 4, 8, 12, 16, 24, 32, 48}, {2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
 BENCHMARK(BM_DecodeReadOrder_V2)->Arg(2)->Arg(1)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_DecodeReadOrder_Plain8)
     ->Arg(2)

@@ -337,10 +337,12 @@ BENCHMARK(BM_QuantDecode_MQA)
     ->Args({262144, 2, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
-// Warm (one copy, M = 1024: the rows stay in L2): the step's instructions alone.
+// Warm (one copy, M = 1024 on one thread, 2048 on two: each thread's rows
+// stay in its L2): the step's instructions alone.
 BENCHMARK(BM_QuantDecode_V2)
     ->Name("BM_QuantDecodeWarm_V2")
     ->Args({1024, 1, 1})
+    ->Args({2048, 2, 1})
     ->Unit(benchmark::kMicrosecond)
     ->UseManualTime();
 BENCHMARK(BM_QuantError)->Iterations(1)->Unit(benchmark::kMillisecond);
