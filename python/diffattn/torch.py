@@ -34,7 +34,8 @@ __all__ = [
     "DiffAttnV2Function", "AttentionFunction", "diff_attention_v1_varlen",
     "diff_attention_v2_varlen", "attention_varlen", "MultiheadDiffAttnV1",
     "MultiheadDiffAttnV2", "RMSNorm", "KVCache", "apply_rope", "lambda_init",
-    "standard_alibi_slopes",
+    "standard_alibi_slopes", "diff_attention_v1_stats", "diff_attention_v2_stats",
+    "attention_stats",
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -290,6 +291,85 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, 
     return AttentionFunction.apply(
         q, k, v, causal, window_left, window_right, scale, num_threads, softcap, alibi_slopes,
         sinks, _offsets(cu_seqlens_q, "cu_seqlens_q"), _offsets(cu_seqlens_k, "cu_seqlens_k"))
+
+
+def _stats(name, q, tensors, scalars, out, return_out, kw):
+    """The numpy statistics function `name` on tensors (q first): float32 and
+    float64 as they are, without a copy; bfloat16 and float16 widened to float32
+    (the statistics run in float or double). Returns the dict with its arrays as
+    tensors, and with out= or return_out=True (stats, out)."""
+    if q.dtype in (torch.float32, torch.float64):
+        dtype = q.dtype
+    elif q.dtype in _HALF:
+        dtype = torch.float32
+    else:
+        raise ValueError(f"{name}: q has dtype {q.dtype}; expected float32, float64, bfloat16 "
+                         "or float16")
+    arrays = [_np(t if t.dtype == dtype else t.to(dtype), n) for n, t in tensors]
+    if out is not None:
+        if not torch.is_tensor(out):
+            raise ValueError(f"{name}: out must be a tensor, got {type(out).__name__}")
+        if out.dim() > 0 and out.size(-1) > 1 and out.stride(-1) != 1:
+            raise ValueError(f"{name}: out's last axis must be contiguous (stride "
+                             f"{out.stride(-1)})")
+        kw["out"] = _np(out, "out")
+    res = getattr(_C, name)(arrays[0], *arrays[1:3], *scalars, *arrays[3:], **kw,
+                            return_out=return_out)
+    stats, o = res if isinstance(res, tuple) else (res, None)
+    stats = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in stats.items()}
+    if o is None:
+        return stats
+    return stats, (out if out is not None else torch.from_numpy(o))
+
+
+def _stats_kw(causal, window_left, window_right, scale, num_threads, needle_begin, needle_end,
+              query_begin, query_end, logit_bits):
+    return dict(causal=bool(causal), window_left=int(window_left), window_right=int(window_right),
+                scale=float(scale), num_threads=int(num_threads), needle_begin=int(needle_begin),
+                needle_end=int(needle_end), query_begin=int(query_begin),
+                query_end=int(query_end), logit_bits=int(logit_bits))
+
+
+def diff_attention_v1_stats(q, k, v, lambda_, *, causal=False, window_left=-1, window_right=-1,
+                            scale=0.0, num_threads=0, needle_begin=0, needle_end=0,
+                            query_begin=0, query_end=-1, logit_bits=0, out=None,
+                            return_out=False):
+    """diffattn.diff_attention_v1_stats on tensors (no autograd): the paper's
+    measurements of every row as the fused kernel computes it, a dict of
+    tensors; shapes as diff_attention_v1, lambda_ a number or a 0-d tensor.
+    bfloat16 and float16 tensors are measured in float32 (and out is float32)."""
+    if torch.is_tensor(lambda_):
+        if lambda_.numel() != 1 or lambda_.dim() > 1:
+            raise ValueError("diff_attention_v1_stats: lambda_ must be a number or a 0-d tensor, "
+                             f"got a tensor of shape {tuple(lambda_.shape)}")
+        lambda_ = lambda_.item()
+    return _stats("diff_attention_v1_stats", q, [("q", q), ("k", k), ("v", v)],
+                  [float(lambda_)], out, return_out,
+                  _stats_kw(causal, window_left, window_right, scale, num_threads, needle_begin,
+                            needle_end, query_begin, query_end, logit_bits))
+
+
+def diff_attention_v2_stats(q, k, v, lambda_logit, *, causal=False, window_left=-1,
+                            window_right=-1, scale=0.0, num_threads=0, needle_begin=0,
+                            needle_end=0, query_begin=0, query_end=-1, logit_bits=0, out=None,
+                            return_out=False):
+    """diffattn.diff_attention_v2_stats on tensors (no autograd); shapes as
+    diff_attention_v2. bfloat16 and float16 tensors are measured in float32."""
+    return _stats("diff_attention_v2_stats", q,
+                  [("q", q), ("k", k), ("v", v), ("lambda_logit", lambda_logit)], [], out,
+                  return_out,
+                  _stats_kw(causal, window_left, window_right, scale, num_threads, needle_begin,
+                            needle_end, query_begin, query_end, logit_bits))
+
+
+def attention_stats(q, k, v, *, causal=False, window_left=-1, window_right=-1, scale=0.0,
+                    num_threads=0, needle_begin=0, needle_end=0, query_begin=0, query_end=-1,
+                    logit_bits=0, out=None, return_out=False):
+    """diffattn.attention_stats on tensors (no autograd); shapes as attention.
+    bfloat16 and float16 tensors are measured in float32."""
+    return _stats("attention_stats", q, [("q", q), ("k", k), ("v", v)], [], out, return_out,
+                  _stats_kw(causal, window_left, window_right, scale, num_threads, needle_begin,
+                            needle_end, query_begin, query_end, logit_bits))
 
 
 def _rotate(x, cos, sin):

@@ -634,3 +634,53 @@ def test_apply_rope_matches_eager_bitwise():
     g = torch.randn_like(y)
     assert torch.allclose(torch.autograd.grad(y, x, g)[0],
                           torch.autograd.grad(eager.rope(x, 2), x, g)[0], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_statistics_from_tensors(dtype):
+    """dt.*_stats: the numpy statistics on the same values (float32 for 16-bit
+    tensors), the arrays as tensors, the output the autograd function's."""
+    torch.manual_seed(3)
+    b, n, m, h, hkv, d = 2, 13, 17, 2, 1, 8
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64).to(dtype)  # noqa: E731
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    kw = dict(causal=True, needle_begin=3, needle_end=7, query_begin=2, num_threads=2)
+    q, k1, v1 = mk(b, n, 2 * h, d), mk(b, m, 2 * hkv, d), mk(b, m, hkv, 2 * d)
+    k2, v2, logit = mk(b, m, hkv, d), mk(b, m, hkv, d), mk(b, n, h)
+    cases = [
+        (dt.diff_attention_v1_stats, diffattn.diff_attention_v1_stats, (q, k1, v1), (0.6,),
+         lambda: dt.diff_attention_v1(q, k1, v1, torch.tensor(0.6, dtype=wide), causal=True)),
+        (dt.diff_attention_v2_stats, diffattn.diff_attention_v2_stats, (q, k2, v2, logit), (),
+         lambda: dt.diff_attention_v2(q, k2, v2, logit, causal=True)),
+        (dt.attention_stats, diffattn.attention_stats, (q, k2, v2), (),
+         lambda: dt.attention(q, k2, v2, causal=True)),
+    ]
+    for fn, np_fn, tensors, scalars, forward in cases:
+        got, out = fn(*tensors[:3], *scalars, *tensors[3:], return_out=True, **kw)
+        want, want_out = np_fn(*[t.to(wide).numpy() for t in tensors[:3]], *scalars,
+                               *[t.to(wide).numpy() for t in tensors[3:]], return_out=True, **kw)
+        assert got["rows"] == want["rows"] > 0
+        for key, val in want.items():
+            if isinstance(val, np.ndarray):
+                assert torch.is_tensor(got[key]) and got[key].dtype == torch.float64
+                assert np.array_equal(got[key].numpy(), val), key
+        assert out.dtype == wide and np.array_equal(out.numpy(), want_out)
+        if dtype != torch.bfloat16:  # the kernel's output, bit for bit
+            assert torch.equal(out, forward().detach())
+        # out= is written in place and returned; stats alone without it
+        given = torch.empty_like(out)
+        s2, o2 = fn(*tensors[:3], *scalars, *tensors[3:], out=given, **kw)
+        assert o2 is given and torch.equal(given, out)
+        assert set(fn(*tensors[:3], *scalars, *tensors[3:], **kw)) == set(got)
+
+
+def test_statistics_errors():
+    q, k, v = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="diff_attention_v1_stats: lambda_ must be a number"):
+        dt.diff_attention_v1_stats(q, k.expand(1, 4, 2, 8), v, torch.ones(2))
+    with pytest.raises(ValueError, match="attention_stats: q has dtype torch.int32"):
+        dt.attention_stats(q.to(torch.int32), k, v[..., :8])
+    with pytest.raises(ValueError, match="out's last axis must be contiguous"):
+        dt.attention_stats(q, k, v, out=torch.empty(1, 4, 4, 32)[..., ::2])
+    with pytest.raises(ValueError, match="attention_stats"):  # the C++ message: bad shapes
+        dt.attention_stats(q, k, v[:, :3])
