@@ -298,6 +298,10 @@ def _stats(name, q, tensors, scalars, out, return_out, kw):
     float64 as they are, without a copy; bfloat16 and float16 widened to float32
     (the statistics run in float or double). Returns the dict with its arrays as
     tensors, and with out= or return_out=True (stats, out)."""
+    for n, t in tensors:
+        if not torch.is_tensor(t):
+            raise ValueError(f"{name}: {n} must be a tensor, got {type(t).__name__} (the numpy "
+                             f"function diffattn.{name} takes arrays)")
     if q.dtype in (torch.float32, torch.float64):
         dtype = q.dtype
     elif q.dtype in _HALF:
@@ -336,12 +340,13 @@ def diff_attention_v1_stats(q, k, v, lambda_, *, causal=False, window_left=-1, w
                             return_out=False):
     """diffattn.diff_attention_v1_stats on tensors (no autograd): the paper's
     measurements of every row as the fused kernel computes it, a dict of
-    tensors; shapes as diff_attention_v1, lambda_ a number or a 0-d tensor.
+    tensors; shapes as diff_attention_v1, lambda_ a number or a one-element
+    tensor.
     bfloat16 and float16 tensors are measured in float32 (and out is float32)."""
     if torch.is_tensor(lambda_):
         if lambda_.numel() != 1 or lambda_.dim() > 1:
-            raise ValueError("diff_attention_v1_stats: lambda_ must be a number or a 0-d tensor, "
-                             f"got a tensor of shape {tuple(lambda_.shape)}")
+            raise ValueError("diff_attention_v1_stats: lambda_ must be a number or a tensor of "
+                             f"one element, got a tensor of shape {tuple(lambda_.shape)}")
         lambda_ = lambda_.item()
     return _stats("diff_attention_v1_stats", q, [("q", q), ("k", k), ("v", v)],
                   [float(lambda_)], out, return_out,

@@ -682,5 +682,7 @@ def test_statistics_errors():
         dt.attention_stats(q.to(torch.int32), k, v[..., :8])
     with pytest.raises(ValueError, match="out's last axis must be contiguous"):
         dt.attention_stats(q, k, v, out=torch.empty(1, 4, 4, 32)[..., ::2])
+    with pytest.raises(ValueError, match="attention_stats: k must be a tensor, got ndarray"):
+        dt.attention_stats(q, k.numpy(), v[..., :8])
     with pytest.raises(ValueError, match="attention_stats"):  # the C++ message: bad shapes
         dt.attention_stats(q, k, v[:, :3])
