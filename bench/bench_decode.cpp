@@ -120,12 +120,13 @@ float pattern_read(const float* p, index_t rows, index_t row_floats, index_t pas
   return sink;
 }
 
-/// stream_read with X packet FMAs after each packet it loads (X = 0: eight
-/// additions per eight packets, as stream_read), on 12 accumulators so that
-/// the FMAs run at their throughput: how much arithmetic per byte a stream
-/// on this machine carries before it reads slower than the probe.
+/// stream_read with X packet FMAs after each packet it loads (X = 0:
+/// stream_read itself), on 12 accumulators so that the FMAs run at their
+/// throughput: how much arithmetic per byte a stream on this machine carries
+/// before it reads slower than the probe.
 template <int X>
 float work_read(const float* p, index_t n, int threads) {
+  if constexpr (X == 0) return stream_read(p, n, threads);
   using Packet = diffattn::detail::TileConfig<float>::Packet;
   constexpr int P = diffattn::detail::TileConfig<float>::kPacket;
   constexpr int kAcc = 12;
@@ -143,7 +144,6 @@ float work_read(const float* p, index_t n, int threads) {
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
         const Packet x = ploadu<Packet>(b + i + u * P);
-        if constexpr (X == 0) a[u] = padd(a[u], x);
 #pragma GCC unroll 48
         for (int f = 0; f < X; ++f) a[(u * X + f) % kAcc] = pmadd(x, k, a[(u * X + f) % kAcc]);
       }
